@@ -1,0 +1,26 @@
+"""dlspark: data-parallel deep-learning training on Dask, in the manner of DL4J on Spark.
+
+The public surface is re-exported here; submodules ``dlspark.data``,
+``dlspark.datasets``, ``dlspark.losses``, ``dlspark.io`` and ``dlspark.errors``
+hold the rest.
+"""
+
+from . import data, datasets, errors, io, losses
+from .data import DataSet, MultiDataSet
+from .model import Model
+from .network import Network, TrainState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Model",
+    "Network",
+    "TrainState",
+    "DataSet",
+    "MultiDataSet",
+    "data",
+    "datasets",
+    "errors",
+    "io",
+    "losses",
+]

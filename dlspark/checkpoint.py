@@ -1,0 +1,191 @@
+"""Checkpoints: one zip file per network at any fsspec URL.
+
+Members:
+
+``dlspark.json``
+    ``format``, ``format_version``, the list of array leaves (tree path,
+    shape, dtype) and the counters.
+``arrays.npz``
+    The train state's arrays, ``a0``, ``a1``, ... in leaf order, read with
+    ``allow_pickle=False``.
+``definition.pkl``
+    The network's definition (model, loss, updater, seed) as a cloudpickle.
+    Only :func:`load_checkpoint` (``Network.load``) reads it; it executes code,
+    so load only checkpoints you trust. ``Network.restore`` never reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import sysconfig
+import zipfile
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import CheckpointError
+from .io import read_bytes, write_bytes
+
+__all__ = ["save_checkpoint", "restore_checkpoint", "load_checkpoint", "state_to_bytes", "state_from_bytes",
+           "FORMAT_VERSION"]
+
+FORMAT = "dlspark-checkpoint"
+FORMAT_VERSION = 1
+
+
+def _leaves(tree):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(p), np.asarray(v)) for p, v in flat], treedef
+
+
+def _encode_array(a):
+    # Extended dtypes (bfloat16, ...) have no portable npy form: store their bytes.
+    if a.dtype.kind == "V":
+        return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape + (a.dtype.itemsize,))
+    return a
+
+
+def _decode_array(a, dtype, shape):
+    dt = jnp.dtype(dtype)
+    if dt.kind == "V":
+        return np.ascontiguousarray(a).view(dt).reshape(shape)
+    return a
+
+
+def _installed_roots():
+    paths = sysconfig.get_paths()
+    return tuple({os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths})
+
+
+def _user_modules(definition):
+    """Modules of the user's own code (not installed packages) that the definition refers to."""
+    roots = _installed_roots()
+    found = set()
+    stack = [definition["model"], definition["model"]._init, definition["model"]._apply, definition["loss"]]
+    for obj in stack:
+        for o in (obj, type(obj), getattr(obj, "module", None), type(getattr(obj, "module", None))):
+            name = getattr(o, "__module__", None)
+            mod = sys.modules.get(name) if name else None
+            f = getattr(mod, "__file__", None)
+            if mod is None or f is None or name == "__main__" or name.split(".")[0] == "dlspark":
+                continue
+            if not os.path.realpath(f).startswith(roots):
+                found.add(mod)
+    return found
+
+
+def _dump_definition(definition) -> bytes:
+    # The user's model classes live in their own scripts or packages; store
+    # those by value, so that Network.load works where that code is absent.
+    mods = _user_modules(definition)
+    with contextlib.ExitStack() as stack:
+        for m in mods:
+            cloudpickle.register_pickle_by_value(m)
+            stack.callback(cloudpickle.unregister_pickle_by_value, m)
+        return cloudpickle.dumps(definition)
+
+
+def state_to_bytes(state, extra: dict | None = None, definition: dict | None = None) -> bytes:
+    """Serialise a train state pytree (and optionally a definition) to checkpoint bytes."""
+    leaves, _ = _leaves(state)
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "leaves": [{"path": p, "shape": list(a.shape), "dtype": a.dtype.name} for p, a in leaves],
+        **(extra or {}),
+    }
+    arrays = io.BytesIO()
+    np.savez(arrays, **{f"a{i}": _encode_array(a) for i, (_, a) in enumerate(leaves)})
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("dlspark.json", json.dumps(meta, indent=1))
+        z.writestr("arrays.npz", arrays.getvalue())
+        if definition is not None:
+            z.writestr("definition.pkl", _dump_definition(definition))
+    return buf.getvalue()
+
+
+def _open(url, raw):
+    try:
+        z = zipfile.ZipFile(io.BytesIO(raw))
+        names = set(z.namelist())
+    except zipfile.BadZipFile:
+        raise CheckpointError(url, "not a dlspark checkpoint (not a zip archive; truncated or another format)") from None
+    if "dlspark.json" not in names or "arrays.npz" not in names:
+        raise CheckpointError(url, f"not a dlspark checkpoint (members {sorted(names)}; needs dlspark.json and arrays.npz)")
+    try:
+        meta = json.loads(z.read("dlspark.json"))
+    except (ValueError, zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(url, f"unreadable metadata: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(url, f"format is {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(url, f"format version {meta['format_version']} is newer than this dlspark reads ({FORMAT_VERSION}); upgrade dlspark")
+    return z, meta
+
+
+def _read_arrays(url, z, meta):
+    try:
+        with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
+            arrays = [npz[f"a{i}"] for i in range(len(meta["leaves"]))]
+    except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as e:
+        raise CheckpointError(url, f"array data is truncated or corrupt ({type(e).__name__}: {e})") from None
+    return [_decode_array(a, leaf["dtype"], tuple(leaf["shape"])) for a, leaf in zip(arrays, meta["leaves"])]
+
+
+def state_from_bytes(raw: bytes, like, url: str = "<bytes>"):
+    """Rebuild a pytree shaped like ``like`` from checkpoint bytes, checking every leaf."""
+    z, meta = _open(url, raw)
+    want, treedef = _leaves(like)
+    got = meta["leaves"]
+    if len(got) != len(want):
+        raise CheckpointError(url, f"holds {len(got)} arrays, the network has {len(want)}; it was saved from a different architecture or updater")
+    for (path, a), leaf in zip(want, got):
+        if leaf["path"] != path or tuple(leaf["shape"]) != a.shape or leaf["dtype"] != a.dtype.name:
+            raise CheckpointError(
+                url, f"array {leaf['path']} has shape {tuple(leaf['shape'])} and dtype {leaf['dtype']}, "
+                f"the network expects {path} with shape {a.shape} and dtype {a.dtype.name}"
+            )
+    arrays = _read_arrays(url, z, meta)
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in arrays])
+
+
+def save_checkpoint(network, url: str, **storage_options) -> None:
+    """Write ``network`` (state and definition) to ``url`` atomically."""
+    extra = {"iteration": network.iteration, "epoch": network.epoch, "seed": network.seed}
+    write_bytes(url, state_to_bytes(network.state, extra, network.definition()), **storage_options)
+
+
+def _read(url, storage_options):
+    try:
+        return read_bytes(url, **storage_options)
+    except FileNotFoundError:
+        raise CheckpointError(url, "file not found") from None
+
+
+def restore_checkpoint(url: str, like, **storage_options):
+    """Read the arrays of the checkpoint at ``url`` into a state shaped like ``like``."""
+    return state_from_bytes(_read(url, storage_options), like, url)
+
+
+def load_checkpoint(url: str, **storage_options):
+    """Rebuild a :class:`~dlspark.Network` from ``url``, definition included (trusted files only)."""
+    from .network import Network
+
+    raw = _read(url, storage_options)
+    z, _ = _open(url, raw)
+    if "definition.pkl" not in z.namelist():
+        raise CheckpointError(url, "holds no network definition; build the network and call net.restore(url)")
+    try:
+        definition = cloudpickle.loads(z.read("definition.pkl"))
+    except Exception as e:
+        raise CheckpointError(url, f"the stored definition cannot be unpickled here ({type(e).__name__}: {e})") from None
+    net = Network.from_definition(definition)
+    net.state = state_from_bytes(raw, net.state, url)
+    return net

@@ -1,0 +1,159 @@
+"""The minibatch file format: one ``.npz`` per minibatch, at any fsspec URL."""
+
+from __future__ import annotations
+
+import io
+import re
+import zipfile
+
+import fsspec
+import numpy as np
+
+from ..errors import CorruptMinibatchError
+from ..io import atomic_write, is_glob, read_bytes, url_join
+from ._dataset import DataSet, MultiDataSet, as_dataset
+
+__all__ = ["save_minibatches", "save_dataset", "load_minibatch", "list_minibatches"]
+
+_MULTI = re.compile(r"^(features|labels|features_mask|labels_mask)_(\d+)$")
+_SINGLE = {"features", "labels", "features_mask", "labels_mask"}
+
+
+def save_dataset(data, url: str, **storage_options) -> str:
+    """Write one DataSet/MultiDataSet to ``url`` as a minibatch file, atomically; returns ``url``."""
+    data = as_dataset(data)
+    buf = io.BytesIO()
+    np.savez(buf, **data.to_arrays())
+    with atomic_write(url, "wb", **storage_options) as f:
+        f.write(buf.getvalue())
+    return url
+
+
+def save_minibatches(features, labels=None, url: str = None, batch_size: int = 32, *,
+                     features_mask=None, labels_mask=None, prefix: str = "batch",
+                     **storage_options) -> list:
+    """Export data as minibatch files under the directory ``url`` (DL4J's batch-and-export).
+
+    Parameters
+    ----------
+    features : array-like, DataSet or MultiDataSet
+        The examples; with a DataSet/MultiDataSet, leave ``labels`` out.
+    labels : array-like
+        Labels with the same number of examples.
+    url : str
+        Directory URL (``file://``, ``memory://``, ``s3://``, or a local path).
+    batch_size : int
+        Examples per file; the last file holds the remainder.
+
+    Returns
+    -------
+    list of str
+        The written files' URLs, in example order (``{prefix}_000000.npz``, ...).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> urls = save_minibatches(np.zeros((5, 2)), np.zeros((5, 1)), "memory://doc/mb", batch_size=2)
+    >>> [u.rsplit("/", 1)[1] for u in urls]
+    ['batch_000000.npz', 'batch_000001.npz', 'batch_000002.npz']
+    """
+    if url is None:
+        raise TypeError("save_minibatches needs a directory url, e.g. save_minibatches(x, y, 'file:///tmp/mb', 32)")
+    if isinstance(features, (DataSet, MultiDataSet)):
+        if labels is not None:
+            raise TypeError("pass labels inside the DataSet, not beside it")
+        data = features
+    else:
+        if labels is None:
+            raise TypeError("save_minibatches needs labels beside the features array")
+        data = DataSet(features, labels, features_mask, labels_mask)
+    batches = data.batches(batch_size)
+    width = max(6, len(str(len(batches))))
+    return [
+        save_dataset(b, url_join(url, f"{prefix}_{i:0{width}d}.npz"), **storage_options)
+        for i, b in enumerate(batches)
+    ]
+
+
+def _from_arrays(url, arrays):
+    keys = set(arrays)
+    if {"features", "labels"} <= keys:
+        extra = keys - _SINGLE
+        if extra:
+            raise CorruptMinibatchError(url, f"unexpected arrays {sorted(extra)}")
+        return DataSet(arrays["features"], arrays["labels"], arrays.get("features_mask"), arrays.get("labels_mask"))
+    groups: dict = {}
+    for k in keys:
+        m = _MULTI.match(k)
+        if not m:
+            raise CorruptMinibatchError(
+                url, f"array {k!r} is not part of the format; expected 'features' and 'labels' "
+                "(and optional masks), or 'features_0', 'labels_0', ... for multi-input data"
+            )
+        groups.setdefault(m.group(1), {})[int(m.group(2))] = arrays[k]
+    if "features" not in groups or "labels" not in groups:
+        raise CorruptMinibatchError(url, f"needs features and labels arrays, found only {sorted(keys)}")
+
+    def seq(kind, n):
+        d = groups.get(kind, {})
+        return [d.get(i) for i in range(n)]
+
+    nf, nl = len(groups["features"]), len(groups["labels"])
+    if sorted(groups["features"]) != list(range(nf)) or sorted(groups["labels"]) != list(range(nl)):
+        raise CorruptMinibatchError(url, "numbered arrays must run 0, 1, 2, ... without gaps")
+    return MultiDataSet(seq("features", nf), seq("labels", nl), seq("features_mask", nf), seq("labels_mask", nl))
+
+
+def load_minibatch(url: str, **storage_options):
+    """Read one minibatch file into a DataSet or MultiDataSet.
+
+    Nothing in the file is executed (``allow_pickle=False``). A missing,
+    truncated or foreign file raises :class:`dlspark.errors.CorruptMinibatchError`
+    naming ``url``.
+    """
+    try:
+        raw = read_bytes(url, **storage_options)
+    except FileNotFoundError:
+        raise CorruptMinibatchError(url, "file not found") from None
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        raise CorruptMinibatchError(url, f"not a readable .npz minibatch ({type(e).__name__}: {e})") from None
+    try:
+        return _from_arrays(url, arrays)
+    except CorruptMinibatchError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise CorruptMinibatchError(url, str(e)) from None
+
+
+def list_minibatches(paths, **storage_options) -> list:
+    """Expand a glob, a directory URL or a list of URLs into a sorted list of file URLs.
+
+    A directory yields its ``*.npz`` files. An empty result, or a listed file
+    that does not exist, raises ``FileNotFoundError`` naming the path.
+    """
+    if isinstance(paths, (list, tuple)):
+        if not paths:
+            raise FileNotFoundError("the list of minibatch paths is empty")
+        return [str(p) for p in paths]
+    if not isinstance(paths, str):
+        raise TypeError(f"paths must be a URL, a glob or a list of URLs, got {type(paths).__name__}")
+    fs, root = fsspec.core.url_to_fs(paths, **storage_options)
+    proto = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    unstrip = (lambda p: p) if proto == "file" and "://" not in paths else (lambda p: fs.unstrip_protocol(p))
+    if is_glob(paths):
+        found = sorted(fs.glob(root))
+        what = "glob"
+    elif fs.isdir(root):
+        found = sorted(p for p in fs.find(root) if p.endswith(".npz") and not p.rsplit("/", 1)[-1].startswith("."))
+        what = "directory"
+    elif fs.exists(root):
+        found = [root]
+        what = "file"
+    else:
+        raise FileNotFoundError(f"no file or directory at {paths!r}")
+    if not found:
+        raise FileNotFoundError(f"the {what} {paths!r} matched no minibatch files")
+    return [unstrip(p) for p in found]

@@ -1,0 +1,55 @@
+"""Exceptions that users may want to catch by type."""
+
+__all__ = [
+    "DlsparkError",
+    "CorruptMinibatchError",
+    "CheckpointError",
+    "NonFiniteLossError",
+    "JobFailedError",
+]
+
+
+class DlsparkError(Exception):
+    """Base class of every error dlspark raises on purpose."""
+
+
+class CorruptMinibatchError(DlsparkError, ValueError):
+    """A minibatch file is missing, truncated or not in the minibatch format.
+
+    The message names the file's URL.
+    """
+
+    def __init__(self, url, reason):
+        self.url = url
+        self.reason = reason
+        super().__init__(f"minibatch file {url!r}: {reason}")
+
+
+class CheckpointError(DlsparkError, ValueError):
+    """A checkpoint cannot be read, or does not match the network it is loaded into."""
+
+    def __init__(self, url, reason):
+        self.url = url
+        self.reason = reason
+        super().__init__(f"checkpoint {url!r}: {reason}")
+
+
+class NonFiniteLossError(DlsparkError, FloatingPointError):
+    """The loss became NaN or infinite during fit.
+
+    ``iteration`` is the network's iteration counter at the failing step; the
+    network keeps the parameters it had before that step.
+    """
+
+    def __init__(self, iteration, loss):
+        self.iteration = int(iteration)
+        self.loss = float(loss)
+        super().__init__(
+            f"loss is {self.loss} at iteration {self.iteration}; the update of that step "
+            "was not applied. Lower the learning rate, check the data for NaN/Inf, or pass "
+            "on_nonfinite='skip' to skip such minibatches."
+        )
+
+
+class JobFailedError(DlsparkError, RuntimeError):
+    """A distributed job could not complete (every worker was lost, or a task failed)."""

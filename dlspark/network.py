@@ -1,0 +1,443 @@
+"""Network: model + loss + optax updater + train state; local fit, output, score, save and load."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from . import losses as _losses
+from .data import DataSet, MultiDataSet, as_dataset, list_minibatches, load_minibatch
+from .errors import NonFiniteLossError
+
+__all__ = ["Network", "TrainState", "Steps", "build_steps"]
+
+_ON_NONFINITE = ("raise", "skip")
+
+
+@struct.dataclass
+class TrainState:
+    """Everything that changes during training, as one pytree of arrays.
+
+    ``step`` is the iteration counter (minibatches applied), ``epoch`` the
+    epoch counter, ``rng`` the raw PRNG key that dropout and the like draw from.
+    """
+
+    params: Any
+    model_state: Any
+    opt_state: Any
+    step: jax.Array
+    epoch: jax.Array
+    rng: jax.Array
+
+
+class Steps(NamedTuple):
+    """The jitted functions of one network; built once and reused for every step.
+
+    ``compute_update(state, batch) -> (updates, opt_state, model_state, rng, loss)``
+    and ``apply_update(state, updates, opt_state, model_state, rng) -> state``
+    split one training step so that a distributed master can act between
+    them; ``train_step(state, batch) -> (state, loss, applied)`` is both in
+    one program and leaves the state unchanged (``applied`` false) when the
+    loss or update is not finite.
+    """
+
+    train_step: Callable
+    compute_update: Callable
+    apply_update: Callable
+    output: Callable
+    loss_sum: Callable
+    per_example_loss: Callable
+
+
+def _resolve_losses(loss):
+    if isinstance(loss, (list, tuple)) and not isinstance(loss, _losses.Loss):
+        return tuple(_losses.get_loss(x) for x in loss)
+    return _losses.get_loss(loss)
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+def _per_output(loss, n):
+    if not isinstance(loss, _losses.Loss):
+        if len(loss) != n:
+            raise ValueError(f"got {len(loss)} losses for {n} outputs; give one loss, or one per output")
+        return loss
+    return (loss,) * n
+
+
+def build_steps(model, loss, updater) -> Steps:
+    """Build the jitted step functions for ``model``, ``loss`` and the optax ``updater``.
+
+    This is pure: no Dask, no files. Workers call it once per job.
+    """
+    loss = _resolve_losses(loss)
+
+    def per_element(outputs, labels, lmask):
+        outs, labs, masks = _as_tuple(outputs), _as_tuple(labels), _as_tuple(lmask)
+        if len(masks) == 1 and len(labs) > 1:
+            masks = masks * len(labs)
+        fns = _per_output(loss, len(labs))
+        if len(outs) != len(labs):
+            raise ValueError(f"the model gives {len(outs)} outputs but the data has {len(labs)} labels arrays")
+        return [(fn.fn(o, y), m) for fn, o, y, m in zip(fns, outs, labs, masks)]
+
+    def total_loss(outputs, labels, lmask):
+        terms = [_losses.reduce_loss(le, m) for le, m in per_element(outputs, labels, lmask)]
+        return sum(t[0] for t in terms), terms[0][1]
+
+    def loss_fn(params, model_state, batch, rng):
+        x, y, fmask, lmask = batch
+        outputs, new_state = model.apply_train(params, model_state, x, rng, fmask)
+        value, _ = total_loss(outputs, y, lmask)
+        return value, new_state
+
+    def compute_update(state, batch):
+        rng, step_rng = jax.random.split(state.rng)
+        (value, new_mstate), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, state.model_state, batch, step_rng
+        )
+        updates, new_opt = updater.update(grads, state.opt_state, state.params)
+        return updates, new_opt, new_mstate, rng, value
+
+    def apply_update(state, updates, opt_state, model_state, rng):
+        return state.replace(
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            model_state=model_state,
+            rng=rng,
+            step=state.step + 1,
+        )
+
+    def train_step(state, batch):
+        updates, opt, mstate, rng, value = compute_update(state, batch)
+        new = apply_update(state, updates, opt, mstate, rng)
+        leaves = jax.tree_util.tree_leaves(updates)
+        ok = jnp.isfinite(value) & jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in leaves]))
+        # A non-finite step leaves params and updater state as they were (the
+        # rng still advances, so "skip" does not replay the same dropout mask).
+        kept = state.replace(rng=rng)
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, kept), value, ok
+
+    def output(state, x, fmask):
+        return model.apply_eval(state.params, state.model_state, x, fmask)
+
+    def loss_sum(state, batch):
+        x, y, fmask, lmask = batch
+        outputs = model.apply_eval(state.params, state.model_state, x, fmask)
+        value, weight = total_loss(outputs, y, lmask)
+        return value * weight, weight
+
+    def per_example_loss(state, batch):
+        x, y, fmask, lmask = batch
+        outputs = model.apply_eval(state.params, state.model_state, x, fmask)
+        total = 0.0
+        for le, m in per_element(outputs, y, lmask):
+            if le.ndim > 1:  # sequences: mean over unmasked time steps
+                mm = jnp.ones(le.shape) if m is None else _losses._broadcast_mask(m, le.shape)
+                le = (le * mm).reshape(le.shape[0], -1).sum(1) / jnp.maximum(mm.reshape(le.shape[0], -1).sum(1), 1.0)
+            total = total + le
+        return total
+
+    steps = Steps(
+        train_step=jax.jit(train_step, donate_argnums=(0,)),
+        compute_update=jax.jit(compute_update),
+        apply_update=jax.jit(apply_update, donate_argnums=(0,)),
+        output=jax.jit(output),
+        loss_sum=jax.jit(loss_sum),
+        per_example_loss=jax.jit(per_example_loss),
+    )
+    return steps
+
+
+def _to_device_batch(ds):
+    return jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
+
+
+class Network:
+    """A model with its loss, optax updater and train state (DL4J's MultiLayerNetwork/ComputationGraph).
+
+    Parameters
+    ----------
+    model : Model
+        The architecture (``Model(init, apply, example_input)`` or ``Model.from_flax``).
+    loss : str, callable, or sequence of them
+        A name from :data:`dlspark.losses.LOSSES`, a per-element loss callable,
+        or one loss per output for multi-output models.
+    updater : optax.GradientTransformation, optional
+        Defaults to ``optax.adam(1e-3)``.
+    seed : int
+        Seeds parameter initialisation and the training RNG.
+    on_nonfinite : {"raise", "skip"}
+        What fit does when a step's loss or update is NaN/Inf: raise
+        :class:`~dlspark.errors.NonFiniteLossError` naming the iteration (the
+        update is not applied), or skip that minibatch and go on.
+
+    Examples
+    --------
+    >>> import flax.linen as nn, numpy as np, optax
+    >>> from dlspark import Model, Network
+    >>> model = Model.from_flax(nn.Dense(10), np.zeros((1, 64), np.float32))
+    >>> net = Network(model, loss="mcxent", updater=optax.sgd(0.1))
+    >>> net.output(np.zeros((2, 64), np.float32)).shape
+    (2, 10)
+    """
+
+    def __init__(self, model, loss="softmax_cross_entropy", updater=None, seed=0, on_nonfinite="raise"):
+        from .model import Model
+
+        if not isinstance(model, Model):
+            raise TypeError(
+                f"model must be a dlspark.Model, got {type(model).__name__}; "
+                "for a Flax module use Model.from_flax(module, example_input)"
+            )
+        if updater is None:
+            updater = optax.adam(1e-3)
+        if not isinstance(updater, optax.GradientTransformation):
+            raise TypeError(f"updater must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), got {type(updater).__name__}")
+        if on_nonfinite not in _ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {_ON_NONFINITE}, got {on_nonfinite!r}")
+        if not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.model = model
+        self.loss = loss
+        self._loss = _resolve_losses(loss)
+        self.updater = updater
+        self.seed = int(seed)
+        self.on_nonfinite = on_nonfinite
+        self.state = self.init_state()
+        self._steps = None
+        self._checked_shapes: set = set()
+        #: ``(iteration, loss)`` of every minibatch fitted so far (DL4J's score listener).
+        self.score_history: list = []
+
+    # --- construction -------------------------------------------------------
+    def init_state(self) -> TrainState:
+        """A fresh train state from the network's seed."""
+        p_rng, t_rng = jax.random.split(jax.random.PRNGKey(self.seed))
+        params, mstate = self.model.init(p_rng)
+        return TrainState(
+            params=params,
+            model_state=mstate,
+            opt_state=self.updater.init(params),
+            step=jnp.zeros((), jnp.int32),
+            epoch=jnp.zeros((), jnp.int32),
+            rng=t_rng,
+        )
+
+    def definition(self) -> dict:
+        """What rebuilds this network elsewhere: model, loss, updater, seed, options."""
+        return {"model": self.model, "loss": self.loss, "updater": self.updater,
+                "seed": self.seed, "on_nonfinite": self.on_nonfinite}
+
+    @classmethod
+    def from_definition(cls, definition: dict, state: TrainState | None = None) -> "Network":
+        """Rebuild a network from :meth:`definition`, optionally with a given state."""
+        net = cls(**definition)
+        if state is not None:
+            net.state = state
+        return net
+
+    @property
+    def steps(self) -> Steps:
+        """The jitted step functions, built on first use."""
+        if self._steps is None:
+            self._steps = build_steps(self.model, self._loss, self.updater)
+        return self._steps
+
+    @property
+    def params(self):
+        return self.state.params
+
+    @property
+    def iteration(self) -> int:
+        """Minibatches applied so far."""
+        return int(self.state.step)
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed so far."""
+        return int(self.state.epoch)
+
+    @property
+    def num_params(self) -> int:
+        return int(sum(np.size(x) for x in jax.tree_util.tree_leaves(self.state.params)))
+
+    # --- checks ---------------------------------------------------------------
+    def check_batch(self, ds) -> None:
+        """Raise a clear error if ``ds`` cannot be fed to this network (checked once per shape)."""
+        x, y, fm, lm = ds.jit_batch()
+        key = jax.tree_util.tree_map(lambda a: (a.shape[1:], a.dtype.str), (x, y, fm, lm))
+        key = str(key)
+        if key in self._checked_shapes:
+            return
+        try:
+            out = jax.eval_shape(lambda s, xx, m: self.model.apply_eval(s.params, s.model_state, xx, m),
+                                 self.state, x, fm)
+        except Exception as e:
+            raise ValueError(
+                f"the model cannot take features of shape {jax.tree_util.tree_map(np.shape, x)} "
+                f"(example input: {jax.tree_util.tree_map(np.shape, self.model.example_input)}): {e}"
+            ) from None
+        outs, labs = _as_tuple(out), _as_tuple(y)
+        if len(outs) != len(labs):
+            raise ValueError(f"the model gives {len(outs)} outputs but the data has {len(labs)} labels arrays")
+        for fn, o, lab in zip(_per_output(self._loss, len(labs)), outs, labs):
+            _losses.check_labels(fn, o.shape, lab.shape, lab.dtype)
+            if not np.issubdtype(lab.dtype, np.number) and lab.dtype != np.bool_:
+                raise TypeError(f"labels must be numeric, got dtype {lab.dtype}")
+        lms = _as_tuple(lm)
+        for lmask, o in zip(lms * (len(outs) if len(lms) == 1 else 1), outs):
+            if lmask is not None:
+                _losses._broadcast_mask(jnp.zeros(lmask.shape), o.shape[:-1])
+        self._checked_shapes.add(key)
+
+    # --- training -------------------------------------------------------------
+    def _minibatches(self, data, batch_size, epochs):
+        """Normalise fit's input to a re-iterable list of minibatches (or a one-shot iterator)."""
+        if isinstance(data, str):
+            return [u for u in list_minibatches(data)], True
+        if isinstance(data, (DataSet, MultiDataSet)) or (isinstance(data, tuple) and not isinstance(data[0], (DataSet, MultiDataSet, str))):
+            return as_dataset(data).batches(batch_size), False
+        if isinstance(data, (list, tuple)):
+            if data and all(isinstance(u, str) for u in data):
+                return list(data), True
+            bad = [type(d).__name__ for d in data if not isinstance(d, (DataSet, MultiDataSet))]
+            if bad:
+                raise TypeError(f"a list given to fit must hold DataSets (minibatches) or file URLs, found {bad[0]}")
+            return list(data), False
+        if hasattr(data, "__iter__"):
+            if epochs != 1:
+                raise ValueError("an iterator of minibatches can be consumed once: pass epochs=1 or a list")
+            return data, False
+        raise TypeError(
+            "fit takes a DataSet, a (features, labels) pair, a list of DataSets, minibatch file URLs "
+            f"or a glob; got {type(data).__name__}"
+        )
+
+    def fit(self, data, epochs: int = 1, batch_size: int = 32, shuffle: bool = False, progress: bool = False):
+        """Train locally.
+
+        Parameters
+        ----------
+        data : DataSet, (features, labels), list of DataSets, list of URLs, glob or iterator
+            A DataSet (or pair) is cut into minibatches of ``batch_size``; a list
+            of DataSets is used as the minibatches, in order; URLs and globs name
+            minibatch files.
+        epochs : int
+        batch_size : int
+            Only used when ``data`` is one DataSet or pair.
+        shuffle : bool
+            Shuffle minibatch order each epoch, seeded by the network's seed and
+            epoch counter (so a resumed run shuffles as an uninterrupted one).
+
+        Returns
+        -------
+        Network
+            ``self``.
+        """
+        if not isinstance(epochs, (int, np.integer)) or epochs < 1:
+            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        batches, are_urls = self._minibatches(data, batch_size, epochs)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=epochs * len(batches) if hasattr(batches, "__len__") else None, unit="batch")
+        try:
+            for _ in range(epochs):
+                order = list(batches) if hasattr(batches, "__len__") else batches
+                if shuffle and hasattr(batches, "__len__"):
+                    perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(order))
+                    order = [order[i] for i in perm]
+                for mb in order:
+                    loss = self.fit_minibatch(load_minibatch(mb) if are_urls else mb)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+                self.state = self.state.replace(epoch=self.state.epoch + 1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return self
+
+    def fit_minibatch(self, ds) -> float:
+        """One training step on one minibatch; returns its loss (DL4J's ``fit(DataSet)``)."""
+        ds = as_dataset(ds)
+        self.check_batch(ds)
+        it = int(self.state.step)
+        self.state, loss, ok = self.steps.train_step(self.state, _to_device_batch(ds))
+        loss = float(loss)
+        if not bool(ok):
+            if self.on_nonfinite == "raise":
+                raise NonFiniteLossError(it, loss)
+            return loss
+        self.score_history.append((it, loss))
+        return loss
+
+    # --- inference ------------------------------------------------------------
+    def output(self, features, batch_size: int | None = None, features_mask=None):
+        """Forward pass in inference mode; numpy outputs (a tuple for multi-output models)."""
+        x = jax.tree_util.tree_map(np.asarray, features)
+        n = jax.tree_util.tree_leaves(x)[0].shape[0]
+        step = n if not batch_size else int(batch_size)
+        parts = []
+        for i in range(0, n, max(step, 1)):
+            xs = jax.tree_util.tree_map(lambda a: a[i:i + step], x)
+            ms = None if features_mask is None else jax.tree_util.tree_map(lambda a: a[i:i + step], features_mask)
+            parts.append(jax.tree_util.tree_map(np.asarray, self.steps.output(self.state, xs, ms)))
+        if len(parts) == 1:
+            return parts[0]
+        return jax.tree_util.tree_map(lambda *a: np.concatenate(a, 0), *parts)
+
+    def score(self, data, batch_size: int = 256) -> float:
+        """Mean loss over ``data`` (DataSet, pair, list of DataSets, or minibatch URLs)."""
+        batches, are_urls = self._minibatches(data, batch_size, 1)
+        total, weight = 0.0, 0.0
+        for mb in batches:
+            ds = load_minibatch(mb) if are_urls else as_dataset(mb)
+            self.check_batch(ds)
+            s, w = self.steps.loss_sum(self.state, _to_device_batch(ds))
+            total, weight = total + float(s), weight + float(w)
+        if weight == 0:
+            return math.nan
+        return total / weight
+
+    def score_examples(self, data, batch_size: int = 256) -> np.ndarray:
+        """Per-example loss (mean over unmasked time steps for sequences)."""
+        ds = as_dataset(data)
+        self.check_batch(ds)
+        return np.concatenate([np.asarray(self.steps.per_example_loss(self.state, _to_device_batch(b)))
+                               for b in ds.batches(batch_size)])
+
+    # --- persistence ----------------------------------------------------------
+    def save(self, url: str, **storage_options) -> None:
+        """Write a checkpoint (arrays, counters and definition) to ``url`` atomically."""
+        from .checkpoint import save_checkpoint
+        save_checkpoint(self, url, **storage_options)
+
+    def restore(self, url: str, **storage_options) -> "Network":
+        """Load a checkpoint's arrays into this network; nothing from the file is executed."""
+        from .checkpoint import restore_checkpoint
+        self.state = restore_checkpoint(url, self.state, **storage_options)
+        return self
+
+    @classmethod
+    def load(cls, url: str, **storage_options) -> "Network":
+        """Rebuild a network from a checkpoint, definition included.
+
+        The definition is a pickle: load only checkpoints you trust. To load
+        arrays from an untrusted file, build the network yourself and call
+        :meth:`restore`.
+        """
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(url, **storage_options)
+
+    def __repr__(self):
+        return f"Network({self.model!r}, params={self.num_params}, iteration={self.iteration}, epoch={self.epoch})"

@@ -1,0 +1,65 @@
+import os
+
+# Keep every process in the test run on one XLA CPU thread pool of modest size;
+# worker processes set their own environment before JAX starts.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import flax.linen as nn  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import dlspark  # noqa: E402
+
+
+class MLP(nn.Module):
+    """The small digits classifier used across tests."""
+
+    hidden: int = 64
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.relu(nn.Dense(self.hidden)(x))
+        if self.dropout:
+            x = nn.Dropout(self.dropout, deterministic=not train)(x)
+        return nn.Dense(10)(x)
+
+
+class BNNet(nn.Module):
+    """A network with batch-norm statistics (non-trainable state)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(32)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        return nn.Dense(10)(nn.relu(x))
+
+
+@pytest.fixture(scope="session")
+def digits():
+    return dlspark.datasets.digits()
+
+
+@pytest.fixture
+def make_net(digits):
+    import optax
+
+    def make(module=None, updater=None, loss="softmax_cross_entropy", seed=0, **kw):
+        module = module if module is not None else MLP()
+        model = dlspark.Model.from_flax(module, digits[0].features[:1])
+        return dlspark.Network(model, loss=loss, updater=updater or optax.adam(1e-2), seed=seed, **kw)
+
+    return make
+
+
+def accuracy(net, ds):
+    return float((np.asarray(net.output(ds.features)).argmax(-1) == np.asarray(ds.labels).argmax(-1)).mean())
+
+
+def tree_equal(a, b):
+    import jax
+
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
+    )

@@ -1,0 +1,106 @@
+import fsspec
+import numpy as np
+import pytest
+
+from dlspark.data import DataSet, MultiDataSet, list_minibatches, load_minibatch, save_dataset, save_minibatches
+from dlspark.errors import CorruptMinibatchError
+from dlspark.io import atomic_write, read_text, write_text
+
+
+def _arrays(n=10):
+    rng = np.random.default_rng(1)
+    return rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, (n, 2)).astype(np.float32)
+
+
+def test_dataset_rejects_mismatched_lengths_naming_both():
+    x, y = _arrays()
+    with pytest.raises(ValueError, match="features\\[0\\] has 10, labels\\[0\\] has 9"):
+        DataSet(x, y[:9])
+    with pytest.raises(ValueError, match="labels_mask"):
+        DataSet(x, y, labels_mask=np.ones(4))
+    with pytest.raises(TypeError, match="sequences of arrays"):
+        MultiDataSet(x, y)
+
+
+@pytest.mark.parametrize("base", ["memory://mbtest", "LOCAL"])
+def test_save_and_load_minibatches_round_trip(base, tmp_path):
+    base = tmp_path.as_uri() if base == "LOCAL" else base
+    x, y = _arrays(10)
+    urls = save_minibatches(x, y, base + "/set", batch_size=4)
+    assert [u.rsplit("/", 1)[1] for u in urls] == ["batch_000000.npz", "batch_000001.npz", "batch_000002.npz"]
+    back = [load_minibatch(u) for u in urls]
+    assert [len(b) for b in back] == [4, 4, 2]
+    merged = DataSet.merge(back)
+    np.testing.assert_array_equal(merged.features, x)
+    np.testing.assert_array_equal(merged.labels, y)
+    # Listing may spell the protocol differently (memory:/// vs memory://); the files are the same.
+    def paths(us):
+        return [fsspec.core.url_to_fs(u)[1] for u in us]
+
+    assert paths(list_minibatches(base + "/set")) == paths(urls)
+    assert paths(list_minibatches(base + "/set/*.npz")) == paths(urls)
+    assert all(load_minibatch(u).num_examples for u in list_minibatches(base + "/set"))
+
+
+def test_multidataset_and_masks_round_trip():
+    x, y = _arrays(6)
+    ds = MultiDataSet([x, x[:, :2]], [y], features_masks=[np.ones((6,)), None], labels_masks=[np.arange(6) % 2])
+    url = save_dataset(ds, "memory://mds/one.npz")
+    back = load_minibatch(url)
+    assert isinstance(back, MultiDataSet)
+    assert len(back.features) == 2 and back.features_masks[1] is None
+    np.testing.assert_array_equal(back.labels_masks[0], np.arange(6) % 2)
+    single = DataSet(x, y, labels_mask=np.ones(6))
+    back = load_minibatch(save_dataset(single, "memory://mds/two.npz"))
+    assert isinstance(back, DataSet) and back.labels_mask is not None
+
+
+def test_corrupt_truncated_missing_and_foreign_files_name_the_url(tmp_path):
+    x, y = _arrays()
+    good = save_dataset(DataSet(x, y), str(tmp_path / "good.npz"))
+    raw = open(good, "rb").read()
+    trunc = tmp_path / "trunc.npz"
+    trunc.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CorruptMinibatchError, match="trunc.npz"):
+        load_minibatch(str(trunc))
+    with pytest.raises(CorruptMinibatchError, match="missing.npz.*not found"):
+        load_minibatch(str(tmp_path / "missing.npz"))
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, a=np.zeros(3))
+    with pytest.raises(CorruptMinibatchError, match="foreign.npz.*'a' is not part of the format"):
+        load_minibatch(str(foreign))
+    pickled = tmp_path / "pickled.npz"
+    np.savez(pickled, features=np.array([{"x": 1}], dtype=object), labels=np.zeros(1))
+    with pytest.raises(CorruptMinibatchError, match="pickled.npz"):
+        load_minibatch(str(pickled))
+
+
+def test_crashed_write_leaves_no_file_that_a_reader_takes_for_a_minibatch(tmp_path):
+    target = tmp_path / "mb" / "batch_000000.npz"
+    with pytest.raises(RuntimeError):
+        with atomic_write(str(target)) as f:
+            f.write(b"PK\x03\x04 half a zip")
+            raise RuntimeError("crash mid-write")
+    assert not target.exists()
+    assert list((tmp_path / "mb").iterdir()) == []
+    # A temp file left by a killed process is hidden from globs and directory listings.
+    (tmp_path / "mb" / ".batch_000001.npz.abc.tmp").write_bytes(b"partial")
+    save_dataset(DataSet(*_arrays()), str(target))
+    assert list_minibatches(str(tmp_path / "mb")) == [str(target)]
+    assert list_minibatches(str(tmp_path / "mb") + "/*.npz") == [str(target)]
+
+
+def test_list_minibatches_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="matched no minibatch files"):
+        list_minibatches(str(tmp_path) + "/*.npz")
+    with pytest.raises(FileNotFoundError, match="no file or directory"):
+        list_minibatches(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="empty"):
+        list_minibatches([])
+
+
+def test_text_round_trip_any_url(tmp_path):
+    for url in ("memory://txt/a.json", (tmp_path / "a.json").as_uri()):
+        write_text(url, "héllo")
+        assert read_text(url) == "héllo"
+    assert fsspec.filesystem("memory").exists("/txt/a.json")

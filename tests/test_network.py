@@ -1,0 +1,175 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, BNNet, accuracy, tree_equal
+
+import dlspark
+from dlspark import DataSet, Model, MultiDataSet, Network
+from dlspark.errors import NonFiniteLossError
+
+
+def test_flax_mlp_reaches_95_percent_on_digits(make_net, digits):
+    tr, te = digits
+    net = make_net(MLP(hidden=64, dropout=0.1))
+    net.fit(tr, epochs=12, batch_size=32)
+    assert net.epoch == 12 and net.iteration == 12 * int(np.ceil(len(tr) / 32))
+    assert accuracy(net, te) >= 0.95
+    assert net.score(te) < 0.3
+    assert len(net.score_history) == net.iteration
+
+
+def test_dataset_and_list_of_minibatches_train_identically(make_net, digits):
+    tr, _ = digits
+    a, b = make_net(), make_net()
+    a.fit(tr, epochs=2, batch_size=50)
+    b.fit(tr.batches(50), epochs=2)
+    assert tree_equal(a.state, b.state)
+
+
+def test_files_train_like_memory(make_net, digits, tmp_path):
+    tr, _ = digits
+    urls = dlspark.data.save_minibatches(tr, url=str(tmp_path), batch_size=64)
+    a, b = make_net(), make_net()
+    a.fit(tr, batch_size=64)
+    b.fit(str(tmp_path) + "/*.npz")
+    assert tree_equal(a.state.params, b.state.params)
+    assert len(urls) == a.iteration
+
+
+def test_shuffle_is_seeded_by_epoch(make_net, digits):
+    tr, _ = digits
+    a, b, c = make_net(), make_net(), make_net()
+    a.fit(tr, epochs=2, batch_size=100, shuffle=True)
+    b.fit(tr, epochs=2, batch_size=100, shuffle=True)
+    c.fit(tr, epochs=2, batch_size=100)
+    assert tree_equal(a.state, b.state)
+    assert not tree_equal(a.state.params, c.state.params)
+
+
+def test_batch_norm_statistics_are_carried_through_training(make_net, digits):
+    tr, te = digits
+    net = make_net(BNNet())
+    before = jax.tree_util.tree_map(np.asarray, net.state.model_state)
+    net.fit(tr, epochs=3, batch_size=64)
+    after = net.state.model_state
+    assert set(after) == {"batch_stats"}
+    assert not tree_equal(before, after)
+    # Inference uses the running averages: output does not depend on batch composition.
+    full = net.output(te.features)
+    one = net.output(te.features[:1])
+    np.testing.assert_allclose(full[:1], one, rtol=1e-5, atol=1e-5)
+    assert accuracy(net, te) > 0.9
+
+
+class TwoInTwoOut(nn.Module):
+    @nn.compact
+    def __call__(self, xs):
+        a, b = xs
+        h = nn.relu(nn.Dense(32)(jnp.concatenate([a, b], -1)))
+        return nn.Dense(10)(h), nn.Dense(1)(h)
+
+
+def test_multi_input_multi_output_graph_trains(digits):
+    tr, _ = digits
+    x = tr.features
+    y_reg = x.sum(1, keepdims=True) / 64
+    mds = MultiDataSet([x[:, :32], x[:, 32:]], [tr.labels, y_reg])
+    model = Model.from_flax(TwoInTwoOut(), (x[:1, :32], x[:1, 32:]))
+    net = Network(model, loss=("mcxent", "mse"), updater=optax.adam(1e-2))
+    s0 = net.score(mds)
+    net.fit(mds, epochs=3, batch_size=64)
+    assert net.score(mds) < 0.5 * s0
+    cls, reg = net.output((x[:5, :32], x[:5, 32:]))
+    assert cls.shape == (5, 10) and reg.shape == (5, 1)
+    with pytest.raises(ValueError, match="got 3 losses for 2 outputs"):
+        Network(model, loss=("mcxent", "mse", "mse")).fit(mds)
+
+
+def test_plain_function_model_and_custom_loss():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 4)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)) + 0.1
+
+    def init(key, xb):
+        return {"w": jax.random.normal(key, (xb.shape[-1], 1)) * 0.01, "b": jnp.zeros((1,))}
+
+    def apply(v, xb, train, key):
+        return xb @ v["w"] + v["b"]
+
+    def my_loss(out, lab):
+        return jnp.abs(out - lab)[..., 0]
+
+    net = Network(Model(init, apply, x[:1]), loss=my_loss, updater=optax.sgd(0.05))
+    net.fit((x, y), epochs=60, batch_size=32)
+    np.testing.assert_allclose(np.asarray(net.params["w"])[:, 0], [1.0, -2.0, 0.5, 3.0], atol=0.1)
+
+
+def test_label_masks_for_sequences():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 5, 3)).astype(np.float32)
+    y = np.eye(4, dtype=np.float32)[rng.integers(0, 4, (8, 5))]
+    mask = np.ones((8, 5), np.float32)
+    mask[:, 3:] = 0
+
+    def init(key, xb):
+        return {"w": jax.random.normal(key, (3, 4))}
+
+    def apply(v, xb, train, key):
+        return xb @ v["w"]
+
+    net = Network(Model(init, apply, x[:1]), loss="mcxent", updater=optax.sgd(0.1))
+    y_garbage = y.copy()
+    y_garbage[:, 3:] = np.eye(4, dtype=np.float32)[0]
+    masked = net.score(DataSet(x, y, labels_mask=mask))
+    assert masked == pytest.approx(net.score(DataSet(x, y_garbage, labels_mask=mask)), rel=1e-6)
+    assert masked == pytest.approx(net.score(DataSet(x[:, :3], y[:, :3])), rel=1e-6)
+    per = net.score_examples(DataSet(x, y, labels_mask=mask))
+    assert per.shape == (8,)
+    with pytest.raises(ValueError, match="label mask of shape"):
+        net.score(DataSet(x, y, labels_mask=np.ones((8, 4))))
+
+
+def test_bad_labels_and_features_raise_clear_errors(make_net, digits):
+    tr, _ = digits
+    net = make_net()
+    with pytest.raises(ValueError, match=r"one-hot labels of the outputs' shape \(\d+, 10\) or integer"):
+        net.fit(DataSet(tr.features, tr.labels[:, :5]))
+    with pytest.raises(ValueError, match="different numbers of examples"):
+        net.fit((tr.features, tr.labels[:-1]))
+    with pytest.raises(ValueError, match="cannot take features of shape"):
+        net.fit(DataSet(tr.features[:, :10], tr.labels))
+    with pytest.raises(ValueError, match="epochs must be a positive integer"):
+        net.fit(tr, epochs=0)
+    with pytest.raises(TypeError, match="model must be a dlspark.Model"):
+        Network(MLP())
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        make_net(on_nonfinite="ignore")
+    # integer labels are fine for softmax cross-entropy
+    net.fit(DataSet(tr.features, tr.labels.argmax(1).astype(np.int32)))
+
+
+def test_nonfinite_loss_raises_naming_the_iteration_and_keeps_params(make_net, digits):
+    tr, _ = digits
+    bad = tr.features[:64].copy()
+    bad[3, 5] = np.nan
+    batches = tr[:128].batches(64) + [DataSet(bad, tr.labels[:64])]
+    net = make_net()
+    with pytest.raises(NonFiniteLossError, match="iteration 2") as info:
+        net.fit(batches)
+    assert info.value.iteration == 2 and net.iteration == 2
+    assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree_util.tree_leaves(net.params))
+    skipper = make_net(on_nonfinite="skip")
+    skipper.fit(batches + tr[128:192].batches(64))
+    assert skipper.iteration == 3  # the NaN minibatch was not applied
+    assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree_util.tree_leaves(skipper.params))
+
+
+def test_train_step_is_compiled_once(make_net, digits):
+    tr, _ = digits
+    net = make_net()
+    net.fit(tr[:640], batch_size=64)
+    net.fit(tr[:640], batch_size=64)
+    assert net.steps.train_step._cache_size() == 1
