@@ -8,7 +8,9 @@ hold the rest.
 from . import data, datasets, errors, io, losses
 from .data import DataSet, MultiDataSet
 from .model import Model
+from .distributed import ParameterAveraging
 from .network import Network, TrainState
+from .trainer import DistributedTrainer
 
 __version__ = "0.1.0"
 
@@ -16,6 +18,8 @@ __all__ = [
     "Model",
     "Network",
     "TrainState",
+    "DistributedTrainer",
+    "ParameterAveraging",
     "DataSet",
     "MultiDataSet",
     "data",

@@ -22,7 +22,12 @@ class CorruptMinibatchError(DlsparkError, ValueError):
     def __init__(self, url, reason):
         self.url = url
         self.reason = reason
-        super().__init__(f"minibatch file {url!r}: {reason}")
+        # args hold the constructor's arguments, so the error pickles across
+        # processes (worker -> scheduler -> client) by any pickler.
+        super().__init__(url, reason)
+
+    def __str__(self):
+        return f"minibatch file {self.url!r}: {self.reason}"
 
 
 class CheckpointError(DlsparkError, ValueError):
@@ -31,7 +36,10 @@ class CheckpointError(DlsparkError, ValueError):
     def __init__(self, url, reason):
         self.url = url
         self.reason = reason
-        super().__init__(f"checkpoint {url!r}: {reason}")
+        super().__init__(url, reason)
+
+    def __str__(self):
+        return f"checkpoint {self.url!r}: {self.reason}"
 
 
 class NonFiniteLossError(DlsparkError, FloatingPointError):
@@ -44,7 +52,10 @@ class NonFiniteLossError(DlsparkError, FloatingPointError):
     def __init__(self, iteration, loss):
         self.iteration = int(iteration)
         self.loss = float(loss)
-        super().__init__(
+        super().__init__(iteration, loss)
+
+    def __str__(self):
+        return (
             f"loss is {self.loss} at iteration {self.iteration}; the update of that step "
             "was not applied. Lower the learning rate, check the data for NaN/Inf, or pass "
             "on_nonfinite='skip' to skip such minibatches."

@@ -104,3 +104,13 @@ def test_text_round_trip_any_url(tmp_path):
         write_text(url, "héllo")
         assert read_text(url) == "héllo"
     assert fsspec.filesystem("memory").exists("/txt/a.json")
+
+
+def test_errors_survive_pickling_across_processes():
+    import pickle
+
+    from dlspark.errors import CheckpointError, NonFiniteLossError
+
+    for e in (CorruptMinibatchError("u.npz", "bad"), CheckpointError("c.dls", "bad"), NonFiniteLossError(3, float("nan"))):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e)

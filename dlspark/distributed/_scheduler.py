@@ -1,0 +1,243 @@
+"""Scheduler side: a SchedulerPlugin that runs jobs by driving the pure Coordinator.
+
+It sends small control messages to the workers' dlspark handlers; dense
+tensors move between workers only. Worker loss arrives both as comm errors and
+through the ``remove_worker`` hook; arrivals through ``add_worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+
+import cloudpickle
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from ..errors import JobFailedError
+from ._plan import Coordinator
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DlsparkSchedulerPlugin"]
+
+_JOIN_RETRIES = 20
+
+
+class _WorkerLost(Exception):
+    pass
+
+
+class RemoteError(Exception):
+    """An error raised by a worker's handler, carried as pickled bytes to the client."""
+
+    def __init__(self, pickled: bytes, text: str):
+        super().__init__(text)
+        self.pickled = pickled
+
+
+class _JobRunner:
+    def __init__(self, scheduler, job, workers, spec, partitions, epochs, options):
+        self.scheduler = scheduler
+        self.job = job
+        self.spec = spec  # pickled job spec, for workers that join mid-fit
+        self.live = set(workers)
+        self.joined: set = set()
+        self.next_rank = len(workers)
+        self.options = options
+        self.coord = Coordinator(partitions, epochs, options["steps_per_round"], options["repartition"],
+                                 options["repartition_strategy"], skip=options.get("skip", ()))
+        self.done = asyncio.Event()
+        self.result: dict = {}
+        self.stats: list = []
+        self.cancelled = False
+        self.task = asyncio.ensure_future(self._main())
+
+    # -- events from the scheduler ---------------------------------------------
+    def worker_left(self, addr):
+        self.live.discard(addr)
+        self.joined.discard(addr)
+
+    def worker_joined(self, addr):
+        if addr not in self.live:
+            self.joined.add(addr)
+
+    # -- helpers ---------------------------------------------------------------
+    def _gone(self, addr):
+        return addr not in self.scheduler.workers
+
+    async def _call(self, addr, op, **kw):
+        try:
+            resp = await getattr(self.scheduler.rpc(addr), f"dlspark_{op}")(job=self.job, **kw)
+        except OSError as e:
+            raise _WorkerLost(addr) from e
+        except Exception:
+            if self._gone(addr):
+                raise _WorkerLost(addr) from None
+            raise
+        if isinstance(resp, dict) and resp.get("status") == "dlspark-error":
+            raise RemoteError(resp["error"], resp["text"])
+        return resp
+
+    async def _each(self, addrs, op, kw_for):
+        addrs = list(addrs)
+        results = await asyncio.gather(*[self._call(a, op, **kw_for(a)) for a in addrs], return_exceptions=True)
+        ok, lost = {}, []
+        for a, r in zip(addrs, results):
+            if isinstance(r, _WorkerLost):
+                lost.append(a)
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                ok[a] = r
+        for a in lost:
+            self.worker_left(a)
+        return ok, lost
+
+    def _emit(self, msg):
+        self.scheduler.log_event(f"dlspark-{self.job}", msg)
+
+    async def _admit_joiners(self):
+        for addr in sorted(self.joined):
+            if not self.live:
+                break
+            source = sorted(self.live)[0]
+            for _ in range(_JOIN_RETRIES):
+                try:
+                    await self._call(addr, "join", source=source, spec=self.spec, rank=self.next_rank)
+                    self.live.add(addr)
+                    self.next_rank += 1
+                    self._emit({"event": "joined", "worker": addr})
+                    break
+                except _WorkerLost:
+                    break
+                except Exception:  # the worker's plugin may not be set up yet
+                    await asyncio.sleep(0.25)
+            self.joined.discard(addr)
+
+    # -- the job ---------------------------------------------------------------
+    async def _main(self):
+        try:
+            await self._rounds()
+            if not self.live:
+                raise JobFailedError(f"job {self.job}: every worker was lost")
+            self.result = {"status": "OK", "worker": sorted(self.live)[0],
+                           "trained": self.coord.trained_total, "stats": self.stats}
+        except RemoteError as e:
+            logger.warning("dlspark job %s failed on a worker: %s", self.job, e)
+            self.result = {"status": "error", "error": e.pickled}
+        except Exception as e:
+            logger.warning("dlspark job %s failed: %s", self.job, e)
+            try:
+                err = cloudpickle.dumps(e)
+            except Exception:
+                err = cloudpickle.dumps(JobFailedError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            self.result = {"status": "error", "error": err}
+        finally:
+            self.done.set()
+
+    async def _rounds(self):
+        opts = self.options
+        while not self.cancelled:
+            if self.joined:
+                await self._admit_joiners()
+            if not self.live:
+                return
+            plan = self.coord.plan_round(self.live)
+            if plan is None:
+                return
+            t0 = time.perf_counter()
+            fits, _ = await self._each(
+                [w for w in plan.assignment if plan.assignment[w]], "fit",
+                lambda w: {"round": plan.round, "epoch": opts["base_epoch"] + plan.epoch,
+                           "refs": plan.assignment[w]},
+            )
+            t_fit = time.perf_counter() - t0
+            contributors = [w for w in plan.contributors if w in fits and w in self.live]
+            while True:
+                receivers = sorted(self.live)
+                if not receivers:
+                    return
+                avgs, lost = await self._each(receivers, "average",
+                                              lambda w: {"round": plan.round, "contributors": contributors})
+                if not any(w in contributors for w in lost):
+                    break
+                contributors = [w for w in contributors if w in self.live]
+            counted = self.coord.complete_round(plan, contributors)
+            losses = [fits[w]["loss_sum"] for w in contributors]
+            n = sum(fits[w]["n"] for w in contributors)
+            stat = {
+                "event": "round", "round": plan.round, "epoch": plan.epoch, "minibatches": counted,
+                "examples": sum(fits[w]["examples"] for w in contributors),
+                "loss": (sum(losses) / n) if n else None, "workers": len(contributors),
+                "round_time": time.perf_counter() - t0, "fit_time_max": t_fit,
+                "worker_fit_time": {w: fits[w]["fit_time"] for w in contributors},
+                "data_wait": {w: fits[w]["data_wait"] for w in contributors},
+                "avg_time": max((a["avg_time"] for a in avgs.values()), default=0.0),
+                "bytes_received": sum(a["bytes_received"] for a in avgs.values()),
+                "trained_total": self.coord.trained_total,
+            }
+            self.stats.append(stat)
+            self._emit(stat)
+            every = opts.get("checkpoint_every")
+            if every and plan.round % every == 0 and self.live:
+                await self._checkpoint()
+
+    async def _checkpoint(self):
+        opts = self.options
+        progress = {**self.coord.progress(), "epochs_total": self.coord.epochs}
+        for addr in sorted(self.live):
+            try:
+                await self._call(addr, "checkpoint", url=opts["checkpoint_url"],
+                                 step=opts["base_step"] + self.coord.trained_total,
+                                 epoch=opts["base_epoch"] + self.coord.epoch, progress=progress)
+                self._emit({"event": "checkpoint", "url": opts["checkpoint_url"], "round": self.coord.round})
+                return
+            except _WorkerLost:
+                continue
+
+
+class DlsparkSchedulerPlugin(SchedulerPlugin):
+    """Hosts dlspark's job coordinators in the scheduler (one per running job)."""
+
+    name = "dlspark-coordinator"
+
+    def __init__(self):
+        self.jobs: dict = {}
+
+    async def start(self, scheduler):
+        self.scheduler = scheduler
+        scheduler.handlers["dlspark_start"] = self._start
+        scheduler.handlers["dlspark_wait"] = self._wait
+        scheduler.handlers["dlspark_finish"] = self._finish
+
+    def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs):
+        for job in self.jobs.values():
+            job.worker_left(worker)
+
+    def add_worker(self, scheduler, worker):
+        for job in self.jobs.values():
+            job.worker_joined(worker)
+
+    async def _start(self, job, workers, spec, partitions, epochs, options):
+        if job in self.jobs:
+            raise ValueError(f"job {job!r} is already running")
+        self.jobs[job] = _JobRunner(self.scheduler, job, workers, spec, partitions, epochs, options)
+        return {"status": "OK"}
+
+    async def _wait(self, job):
+        runner = self.jobs[job]
+        await runner.done.wait()
+        return runner.result
+
+    async def _finish(self, job):
+        """Forget the job here and on every worker (called once the client has the result)."""
+        runner = self.jobs.pop(job, None)
+        if runner is not None:
+            runner.cancelled = True
+        await asyncio.gather(
+            *[self.scheduler.rpc(w).dlspark_teardown(job=job) for w in list(self.scheduler.workers)],
+            return_exceptions=True,
+        )
+        return {"status": "OK"}

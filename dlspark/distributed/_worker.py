@@ -1,0 +1,315 @@
+"""Worker side of a job: a WorkerPlugin whose comm handlers hold the per-job train state.
+
+No numerics live here beyond calling the network's jitted steps; averaging is
+:func:`dlspark.distributed._averaging.average_leaves`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import cloudpickle
+import jax
+import jax.numpy as jnp
+import numpy as np
+from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol import to_serialize
+from distributed.utils import sync
+from distributed.worker import get_data_from_worker
+
+from ..checkpoint import state_from_bytes, state_to_bytes
+from ..data import as_dataset, load_minibatch
+from ..errors import NonFiniteLossError
+from ..io import write_bytes
+from ..network import Network
+from ._averaging import average_leaves
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DlsparkWorkerPlugin"]
+
+_HANDLERS = ("setup", "join", "fit", "contribution", "average", "state", "checkpoint", "teardown")
+
+
+def pin_process(cores) -> None:
+    """Pin every thread of this process (and so every thread it starts later) to ``cores``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+class _Prefetcher:
+    """Loads minibatches in a background thread, ``depth`` ahead of the consumer."""
+
+    _END = object()
+
+    def __init__(self, refs, load, depth):
+        self.refs, self.load = list(refs), load
+        self.wait_time = 0.0
+        if depth <= 0:
+            self.q = None
+            return
+        self.q = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, name="dlspark-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        for r in self.refs:
+            try:
+                self.q.put((r, self.load(r), None))
+            except BaseException as e:  # handed to the consumer, which raises it
+                self.q.put((r, None, e))
+                return
+        self.q.put(self._END)
+
+    def __iter__(self):
+        if self.q is None:
+            for r in self.refs:
+                t = time.perf_counter()
+                ds = self.load(r)
+                self.wait_time += time.perf_counter() - t
+                yield ds
+            return
+        while True:
+            t = time.perf_counter()
+            item = self.q.get()
+            self.wait_time += time.perf_counter() - t
+            if item is self._END:
+                return
+            _, ds, err = item
+            if err is not None:
+                raise err
+            yield ds
+
+
+class _Job:
+    """One job's state on one worker."""
+
+    def __init__(self, worker, spec: dict, state_bytes: bytes, rank: int):
+        self.worker = worker
+        self.spec = spec
+        self.master = spec["master"]
+        self.net = Network.from_definition(spec["definition"])
+        state = state_from_bytes(state_bytes, self.net.state)
+        if rank > 0:  # decorrelate dropout and the like across replicas
+            state = state.replace(rng=jax.random.fold_in(state.rng, rank))
+        self.state = state
+        self.rank = rank
+        self.treedef = jax.tree_util.tree_structure(state)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute")
+        self.contributions: dict = {}
+        self.ready: dict = {}
+        self.refs = spec["refs"]
+
+    # -- data ----------------------------------------------------------------
+    def load(self, ref_index):
+        ref = self.refs[ref_index]
+        if isinstance(ref, str):
+            loader = self.spec.get("loader")
+            if loader is not None:
+                return as_dataset(loader(ref), f"the loader's result for {ref!r}")
+            return load_minibatch(ref, **(self.spec.get("storage_options") or {}))
+        key, index = ref
+        data = self.worker.data.get(key) if key in self.worker.data else None
+        if data is None:
+            data = sync(self.worker.loop, self._fetch_key, key)
+        return data[index] if index is not None else data
+
+    async def _fetch_key(self, key):
+        holders = await self.worker.scheduler.who_has(keys=[key])
+        for addr in holders.get(key, []):
+            try:
+                resp = await get_data_from_worker(self.worker.rpc, [key], addr, who=self.worker.address)
+                if resp.get("status") == "OK" and key in resp["data"]:
+                    return resp["data"][key]
+            except OSError:
+                continue
+        raise RuntimeError(f"minibatch {key!r} is held by no live worker")
+
+    # -- compute (runs on the job's compute thread) -----------------------------
+    def fit(self, refs, epoch):
+        steps = self.net.steps
+        state = self.state
+        if not self.master.save_updater:
+            state = state.replace(opt_state=self.net.updater.init(state.params))
+        state = state.replace(epoch=jnp.asarray(epoch, jnp.int32))
+        losses, oks = [], []
+        t0 = time.perf_counter()
+        pre = _Prefetcher(refs, self.load, self.master.worker_prefetch_num_batches)
+        n_examples = 0
+        base_step = int(state.step)
+        for ds in pre:
+            self.net.check_batch(ds)
+            batch = jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
+            state, loss, ok = steps.train_step(state, batch)
+            losses.append(loss)
+            oks.append(ok)
+            n_examples += len(ds)
+        # One device-to-host transfer per round, not per step.
+        oks = [bool(x) for x in oks]
+        if self.net.on_nonfinite == "raise" and not all(oks):
+            bad = oks.index(False)
+            self.state = state
+            raise NonFiniteLossError(base_step + bad, float(losses[bad]))
+        losses = [float(x) for x, ok in zip(losses, oks) if bool(ok)]
+        self.state = state
+        fit_time = time.perf_counter() - t0
+        return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": n_examples,
+                "fit_time": fit_time, "data_wait": pre.wait_time}
+
+    def leaves(self):
+        return [np.asarray(x) for x in jax.tree_util.tree_leaves(self.state)]
+
+    def set_leaves(self, leaves):
+        self.state = jax.tree_util.tree_unflatten(self.treedef, [jnp.asarray(x) for x in leaves])
+
+
+def _reporting(handler):
+    """Return errors as pickled bytes in the reply: the scheduler relays them to the
+    client without unpickling user exception classes itself."""
+
+    @functools.wraps(handler)
+    async def wrapped(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except Exception as e:
+            try:
+                err = cloudpickle.dumps(e)
+            except Exception:
+                err = cloudpickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+            return {"status": "dlspark-error", "error": err, "text": f"{type(e).__name__}: {e}"}
+
+    return wrapped
+
+
+class DlsparkWorkerPlugin(WorkerPlugin):
+    """Installs dlspark's comm handlers on every worker (present and future).
+
+    Parameters
+    ----------
+    pin_cores : bool
+        Pin each worker process to its own group of cores (embedded CPU
+        clusters): XLA's CPU thread pool ignores thread-count flags, so this is
+        how a worker gets the cores it was sized for.
+    n_workers : int
+        Workers sharing this machine, used to size the core groups.
+    """
+
+    name = "dlspark"
+
+    def __init__(self, pin_cores: bool = False, n_workers: int = 1):
+        self.pin_cores = pin_cores
+        self.n_workers = max(1, int(n_workers))
+
+    def setup(self, worker):
+        self.worker = worker
+        self.jobs: dict = {}
+        if self.pin_cores and hasattr(os, "sched_setaffinity"):
+            cores = sorted(os.sched_getaffinity(0))
+            per = max(1, len(cores) // self.n_workers)
+            try:
+                idx = int(worker.name) % max(1, len(cores) // per)
+            except (TypeError, ValueError):
+                idx = hash(worker.name) % max(1, len(cores) // per)
+            pin_process(set(cores[idx * per:(idx + 1) * per]))
+        for h in _HANDLERS:
+            worker.handlers[f"dlspark_{h}"] = _reporting(getattr(self, f"_{h}"))
+
+    def teardown(self, worker):
+        for job in self.jobs.values():
+            job.executor.shutdown(wait=False)
+        self.jobs.clear()
+
+    def _job(self, job):
+        try:
+            return self.jobs[job]
+        except KeyError:
+            raise KeyError(f"job {job!r} is not set up on worker {self.worker.address}") from None
+
+    async def _run(self, job, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(job.executor, fn, *args)
+
+    # -- handlers ----------------------------------------------------------------
+    async def _setup(self, job: str, spec: bytes, state: bytes, rank: int = 0):
+        loop = asyncio.get_running_loop()
+        self.jobs[job] = await loop.run_in_executor(
+            None, lambda: _Job(self.worker, cloudpickle.loads(spec), state, rank)
+        )
+        return {"status": "OK"}
+
+    async def _join(self, job: str, source: str, spec: bytes, rank: int):
+        """Set up a job on a worker that arrived mid-fit, from a live peer's current state."""
+        resp = await self.worker.rpc(source).dlspark_state(job=job)
+        return await self._setup(job, spec, resp["state"], rank)
+
+    async def _fit(self, job: str, round: int, epoch: int, refs: list):
+        j = self._job(job)
+        for r in [r for r in j.contributions if r < round]:
+            j.contributions.pop(r, None)
+            j.ready.pop(r, None)
+        result = await self._run(j, j.fit, refs, epoch)
+        j.contributions[round] = await self._run(j, j.leaves)
+        j.ready.setdefault(round, asyncio.Event()).set()
+        return result
+
+    async def _contribution(self, job: str, round: int):
+        j = self._job(job)
+        ev = j.ready.setdefault(round, asyncio.Event())
+        await asyncio.wait_for(ev.wait(), timeout=600)
+        return {"leaves": to_serialize(j.contributions[round])}
+
+    async def _average(self, job: str, round: int, contributors: list):
+        j = self._job(job)
+        contribs = []
+        t0 = time.perf_counter()
+        nbytes = 0
+        for addr in contributors:
+            if addr == self.worker.address:
+                contribs.append(j.contributions[round])
+            else:
+                resp = await self.worker.rpc(addr).dlspark_contribution(job=job, round=round)
+                leaves = resp["leaves"]
+                nbytes += sum(np.asarray(x).nbytes for x in leaves)
+                contribs.append(leaves)
+        own = j.contributions.get(round) or await self._run(j, j.leaves)
+        await self._run(j, lambda: j.set_leaves(average_leaves(own, contribs)))
+        return {"avg_time": time.perf_counter() - t0, "bytes_received": nbytes}
+
+    async def _state(self, job: str, step: int | None = None, epoch: int | None = None):
+        j = self._job(job)
+
+        def dump():
+            st = j.state
+            if step is not None:
+                st = st.replace(step=jnp.asarray(step, jnp.int32))
+            if epoch is not None:
+                st = st.replace(epoch=jnp.asarray(epoch, jnp.int32))
+            return state_to_bytes(st)
+
+        return {"state": await self._run(j, dump)}
+
+    async def _checkpoint(self, job: str, url: str, step: int, epoch: int, progress: dict):
+        j = self._job(job)
+
+        def write():
+            st = j.state.replace(step=jnp.asarray(step, jnp.int32), epoch=jnp.asarray(epoch, jnp.int32))
+            extra = {"iteration": step, "epoch": epoch, "seed": j.net.seed, "fit_progress": progress}
+            write_bytes(url, state_to_bytes(st, extra, j.net.definition()), **(j.spec.get("checkpoint_options") or {}))
+
+        await self._run(j, write)
+        return {"status": "OK"}
+
+    async def _teardown(self, job: str):
+        j = self.jobs.pop(job, None)
+        if j is not None:
+            j.executor.shutdown(wait=False)
+        return {"status": "OK"}

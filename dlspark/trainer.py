@@ -1,0 +1,402 @@
+"""DistributedTrainer: fit a Network on a Dask cluster (DL4J's SparkDl4jMultiLayer)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import uuid
+import zipfile
+
+import cloudpickle
+import fsspec
+import numpy as np
+
+from .checkpoint import restore_checkpoint, state_from_bytes, state_to_bytes
+from .data import DataSet, MultiDataSet, as_dataset, list_minibatches, save_dataset
+from .distributed._masters import ParameterAveraging
+from .distributed._scheduler import DlsparkSchedulerPlugin
+from .distributed._worker import DlsparkWorkerPlugin
+from .errors import CheckpointError
+from .io import read_bytes, url_join
+from .network import Network
+
+__all__ = ["DistributedTrainer"]
+
+
+def _protocol(url):
+    return fsspec.core.split_protocol(url)[0] or "file"
+
+
+def _reject_memory(url, what):
+    if _protocol(url) == "memory":
+        raise ValueError(
+            f"{what} {url!r} is on memory://, which lives inside one process and cannot be read by "
+            "worker processes; use a local directory, a shared file system or an object store "
+            "(file://, s3://, ...)"
+        )
+
+
+def _export_partition(parts, directory, batch_size, prefix):
+    """Runs on a worker: cut one partition's examples into minibatch files."""
+    parts = [as_dataset(p) for p in parts]
+    if not parts:
+        return []
+    merged = type(parts[0]).merge(parts)
+    return [save_dataset(b, url_join(directory, f"{prefix}_{i:06d}.npz")) for i, b in enumerate(merged.batches(batch_size))]
+
+
+def _export_arrays(x, y, directory, batch_size, prefix):
+    return _export_partition([DataSet(x, y)], directory, batch_size, prefix)
+
+
+def _rebatch(parts, batch_size):
+    parts = [as_dataset(p) for p in parts]
+    return type(parts[0]).merge(parts).batches(batch_size) if parts else []
+
+
+def _is_dask_collection(x):
+    try:
+        import dask
+
+        return dask.is_dask_collection(x)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+class DistributedTrainer:
+    """Train a :class:`~dlspark.Network` data-parallel on a Dask cluster.
+
+    Parameters
+    ----------
+    client : distributed.Client, optional
+        Without one, an embedded ``LocalCluster`` is started (one worker per
+        GPU, else one single-threaded worker process per core, each pinned to
+        its core) and closed with the trainer.
+    network : Network
+        The network to train; after ``fit`` it holds the trained state.
+    master : ParameterAveraging, optional
+        The distributed algorithm; needed for fit, not for inference.
+    progress : bool
+        Show a progress bar during fit.
+
+    Examples
+    --------
+    >>> with DistributedTrainer(None, net, ParameterAveraging()) as trainer:  # doctest: +SKIP
+    ...     trainer.fit(train_dataset, epochs=3)
+    ...     trainer.network.output(x)
+    """
+
+    def __init__(self, client=None, network: Network | None = None, master=None, *, progress: bool = True):
+        if network is None or not isinstance(network, Network):
+            raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__}")
+        if master is not None and not isinstance(master, ParameterAveraging):
+            raise TypeError(f"master must be a dlspark.ParameterAveraging, got {type(master).__name__}")
+        self._cluster = None
+        pin = False
+        if client is None:
+            from distributed import Client
+
+            from .cluster import local_cluster
+
+            self._cluster = local_cluster()
+            client = Client(self._cluster)
+            pin = _cpu_only()
+        self.client = client
+        self.network = network
+        self.master = master
+        self.progress = progress
+        #: ``(round, epoch, mean loss)`` of every completed round.
+        self.loss_history: list = []
+        #: Per-round statistics (timings, bytes moved), DL4J's training stats.
+        self.training_stats: list = []
+        self._temp_dirs: list = []
+        self._install_plugins(pin)
+
+    # -- lifecycle -------------------------------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Delete temporary exports; close the embedded cluster if this trainer started it."""
+        self.delete_temp_files()
+        if self._cluster is not None:
+            self.client.close()
+            self._cluster.close()
+            self._cluster = None
+
+    def delete_temp_files(self):
+        """Remove the minibatch files this trainer exported to temporary directories."""
+        for d in self._temp_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self._temp_dirs = []
+
+    def _install_plugins(self, pin):
+        have = self.client.run_on_scheduler(_plugins_installed)
+        if not have["scheduler"]:
+            self.client.register_plugin(DlsparkSchedulerPlugin())
+        if not have["worker"]:
+            n = len(self.client.scheduler_info()["workers"])
+            self.client.register_plugin(DlsparkWorkerPlugin(pin_cores=pin, n_workers=n))
+
+    def _workers(self):
+        workers = sorted(self.client.scheduler_info()["workers"])
+        if not workers:
+            raise RuntimeError("the cluster has no workers; start some (e.g. cluster.scale(2)) and try again")
+        return workers
+
+    # -- data ------------------------------------------------------------------
+    def _export_dir(self):
+        base = self.master.export_directory
+        if base is None:
+            d = tempfile.mkdtemp(prefix="dlspark-export-")
+            self._temp_dirs.append(d)
+            return d
+        _reject_memory(base, "export_directory")
+        return url_join(base, uuid.uuid4().hex)
+
+    def _refs_for(self, data):
+        """Turn fit's input into minibatch references and their partitions."""
+        bs = self.master.batch_size_per_worker
+        if isinstance(data, tuple) and len(data) == 2 and all(_is_dask_collection(d) for d in data):
+            return self._refs_dask_arrays(*data)
+        if _is_dask_collection(data):
+            return self._refs_bag(data)
+        if isinstance(data, list):
+            bad = [type(d).__name__ for d in data if not isinstance(d, (DataSet, MultiDataSet))]
+            if bad or not data:
+                raise TypeError(f"a list given to fit must hold DataSets, found {bad[0] if bad else 'nothing'}")
+            batches = data
+        else:
+            try:
+                batches = as_dataset(data).batches(bs)
+            except TypeError:
+                raise TypeError(
+                    "fit takes a DataSet, a (features, labels) pair, a list of DataSets, a pair of dask "
+                    f"arrays or a dask bag of DataSets; got {type(data).__name__}"
+                ) from None
+        if self.master.training_approach == "export":
+            d = self._export_dir()
+            refs = [save_dataset(b, url_join(d, f"batch_{i:06d}.npz")) for i, b in enumerate(batches)]
+            return refs, [0] * len(refs), None
+        futures = self.client.scatter(list(batches), hash=False)
+        return self._direct_refs([(f, None) for f in futures], [0] * len(futures), futures)
+
+    def _direct_refs(self, pairs, partitions, keep):
+        if len(self._workers()) > 1:
+            self.client.replicate(list({id(f): f for f, _ in pairs}.values()), n=2)
+        return [(f.key, i) for f, i in pairs], partitions, keep
+
+    def _refs_dask_arrays(self, x, y):
+        import dask
+
+        bs = self.master.batch_size_per_worker
+        if x.numblocks[0] != y.numblocks[0] or x.chunks[0] != y.chunks[0]:
+            y = y.rechunk({0: x.chunks[0]})
+        xs, ys = x.to_delayed().ravel(), y.to_delayed().ravel()
+        if self.master.training_approach == "export":
+            d = self._export_dir()
+            tasks = [dask.delayed(_export_arrays)(a, b, d, bs, f"p{i:05d}") for i, (a, b) in enumerate(zip(xs, ys))]
+            return self._gather_exports(tasks)
+        tasks = [dask.delayed(lambda a, b, n: DataSet(a, b).batches(n))(a, b, bs) for a, b in zip(xs, ys)]
+        return self._persist_direct(tasks)
+
+    def _refs_bag(self, bag):
+        import dask
+
+        bs = self.master.batch_size_per_worker
+        parts = bag.to_delayed()
+        if self.master.training_approach == "export":
+            d = self._export_dir()
+            return self._gather_exports([dask.delayed(_export_partition)(p, d, bs, f"p{i:05d}") for i, p in enumerate(parts)])
+        return self._persist_direct([dask.delayed(_rebatch)(p, bs) for p in parts])
+
+    def _gather_exports(self, tasks):
+        per_part = self.client.gather(self.client.compute(tasks))
+        refs = [u for urls in per_part for u in urls]
+        parts = [i for i, urls in enumerate(per_part) for _ in urls]
+        return refs, parts, None
+
+    def _persist_direct(self, tasks):
+        futures = self.client.compute(tasks)
+        counts = self.client.gather(self.client.map(len, futures, pure=False))
+        pairs = [(f, j) for f, c in zip(futures, counts) for j in range(c)]
+        parts = [i for i, c in enumerate(counts) for _ in range(c)]
+        return self._direct_refs(pairs, parts, futures)
+
+    # -- training --------------------------------------------------------------
+    def fit(self, data, epochs: int = 1, *, checkpoint_every: int | None = None, checkpoint_url: str | None = None,
+            resume_from: str | None = None, callbacks=(), progress: bool | None = None) -> Network:
+        """Train on ``data``: a DataSet, a ``(features, labels)`` pair, a list of DataSets,
+        a pair of dask arrays, or a dask bag of DataSets.
+
+        Parameters
+        ----------
+        epochs : int
+        checkpoint_every : int, optional
+            Write a checkpoint to ``checkpoint_url`` every this many rounds.
+        resume_from : str, optional
+            A checkpoint written by a previous ``fit`` with the same data and
+            ``epochs``: training continues where it stopped.
+        callbacks : sequence of callables
+            Each is called with every round's statistics (a dict) as it completes.
+
+        Returns
+        -------
+        Network
+            ``self.network``, trained.
+        """
+        self._check_fit_args(epochs, checkpoint_every, checkpoint_url)
+        refs, partitions, keep = self._refs_for(data)
+        try:
+            return self._run(refs, partitions, epochs, None, None, checkpoint_every, checkpoint_url, resume_from,
+                             callbacks, progress)
+        finally:
+            del keep
+
+    def fit_paths(self, paths, epochs: int = 1, loader=None, *, storage_options: dict | None = None,
+                  checkpoint_every: int | None = None, checkpoint_url: str | None = None,
+                  resume_from: str | None = None, callbacks=(), progress: bool | None = None) -> Network:
+        """Train from minibatch files (DL4J's ``fitPaths``).
+
+        Parameters
+        ----------
+        paths : str or list of str
+            A glob, a directory URL or a list of file URLs on any fsspec
+            file system the workers can reach (not ``memory://``).
+        loader : callable, optional
+            ``url -> DataSet/MultiDataSet`` for files in another format
+            (DL4J's DataSetLoader); default: the ``.npz`` minibatch format.
+        storage_options : dict, optional
+            fsspec options (credentials, endpoint) used on the client and workers.
+        """
+        self._check_fit_args(epochs, checkpoint_every, checkpoint_url)
+        for p in [paths] if isinstance(paths, str) else list(paths):
+            _reject_memory(str(p), "path")
+        refs = list_minibatches(paths, **(storage_options or {}))
+        if loader is not None and not callable(loader):
+            raise TypeError(f"loader must be a callable url -> DataSet, got {type(loader).__name__}")
+        return self._run(refs, [0] * len(refs), epochs, loader, storage_options, checkpoint_every, checkpoint_url,
+                         resume_from, callbacks, progress)
+
+    def _check_fit_args(self, epochs, checkpoint_every, checkpoint_url):
+        if self.master is None:
+            raise ValueError("this trainer has no master; pass one, e.g. DistributedTrainer(client, net, ParameterAveraging())")
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        if checkpoint_every is not None:
+            if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+                raise ValueError(f"checkpoint_every must be a positive integer (rounds), got {checkpoint_every!r}")
+            if not checkpoint_url:
+                raise ValueError("checkpoint_every needs checkpoint_url, e.g. fit(data, checkpoint_every=10, checkpoint_url='s3://b/ck.dls')")
+            _reject_memory(checkpoint_url, "checkpoint_url")
+
+    def _resume(self, url, epochs):
+        self.network.restore(url)
+        raw = read_bytes(url)
+        meta = json.loads(zipfile.ZipFile(__import__("io").BytesIO(raw)).read("dlspark.json"))
+        prog = meta.get("fit_progress")
+        if prog is None:
+            return epochs, ()
+        if prog.get("epochs_total") != epochs:
+            raise CheckpointError(url, f"was written by a fit of {prog.get('epochs_total')} epochs; resume with epochs={prog.get('epochs_total')}")
+        return epochs - prog["epoch"], prog["done"]
+
+    def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url, resume_from,
+             callbacks, progress):
+        skip = ()
+        if resume_from is not None:
+            epochs, skip = self._resume(resume_from, epochs)
+            if epochs <= 0:
+                return self.network
+        net, client = self.network, self.client
+        workers = self._workers()
+        job = uuid.uuid4().hex[:12]
+        spec = cloudpickle.dumps({"definition": net.definition(), "master": self.master, "refs": refs,
+                                  "loader": loader, "storage_options": storage_options})
+        state = state_to_bytes(net.state)
+        base_step, base_epoch = net.iteration, net.epoch
+        options = {"steps_per_round": self.master.averaging_frequency, "repartition": self.master.repartition,
+                   "repartition_strategy": self.master.repartition_strategy, "skip": list(skip),
+                   "base_epoch": base_epoch, "base_step": base_step,
+                   "checkpoint_every": checkpoint_every, "checkpoint_url": checkpoint_url}
+        bar = self._progress_bar(progress, epochs * len(refs) - len(skip))
+
+        def on_event(event):
+            _, msg = event
+            if msg.get("event") != "round":
+                return
+            if bar is not None:
+                bar.update(msg["minibatches"])
+                if msg["loss"] is not None:
+                    bar.set_postfix(loss=f"{msg['loss']:.4g}", ex_s=f"{msg['examples'] / max(msg['round_time'], 1e-9):.0f}",
+                                    refresh=False)
+            for cb in callbacks:
+                cb(msg)
+
+        topic = f"dlspark-{job}"
+        client.subscribe_topic(topic, on_event)
+        try:
+            client.sync(_setup_workers, client, workers, job, spec, state)
+            client.sync(client.scheduler.dlspark_start, job=job, workers=workers, spec=spec,
+                        partitions=partitions, epochs=epochs, options=options)
+            result = client.sync(client.scheduler.dlspark_wait, job=job)
+            if result["status"] != "OK":
+                raise cloudpickle.loads(result["error"])
+            final = client.sync(_fetch_state, client, result["worker"], job, base_step + result["trained"],
+                                base_epoch + epochs)
+            net.state = state_from_bytes(final, net.state)
+            for s in result["stats"]:
+                self.loss_history.append((s["round"], base_epoch + s["epoch"], s["loss"]))
+            if self.master.collect_training_stats:
+                self.training_stats.extend(result["stats"])
+            self.last_fit_stats = result["stats"]
+        finally:
+            client.unsubscribe_topic(topic)
+            try:
+                client.sync(client.scheduler.dlspark_finish, job=job)
+            except Exception:  # the cluster is going away; nothing left to clean
+                pass
+            if bar is not None:
+                bar.close()
+        return net
+
+    def _progress_bar(self, progress, total):
+        show = self.progress if progress is None else progress
+        if not show:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, unit="batch", desc="dlspark fit")
+
+
+def _checked(resp):
+    if isinstance(resp, dict) and resp.get("status") == "dlspark-error":
+        raise cloudpickle.loads(resp["error"])
+    return resp
+
+
+async def _setup_workers(client, workers, job, spec, state):
+    import asyncio
+
+    for r in await asyncio.gather(*[client.rpc(w).dlspark_setup(job=job, spec=spec, state=state, rank=i)
+                                    for i, w in enumerate(workers)]):
+        _checked(r)
+
+
+async def _fetch_state(client, worker, job, step, epoch):
+    return _checked(await client.rpc(worker).dlspark_state(job=job, step=step, epoch=epoch))["state"]
+
+
+def _plugins_installed(dask_scheduler=None):
+    return {"scheduler": DlsparkSchedulerPlugin.name in dask_scheduler.plugins,
+            "worker": DlsparkWorkerPlugin.name in dask_scheduler.worker_plugins}
+
+
+def _cpu_only():
+    from .cluster import _gpu_count
+
+    return _gpu_count() == 0

@@ -1,0 +1,251 @@
+"""End-to-end tests of DistributedTrainer on real LocalClusters (worker processes)."""
+
+import os
+import signal
+import threading
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, accuracy
+from distributed import Client
+
+import dlspark
+from dlspark import DataSet, DistributedTrainer, ParameterAveraging
+from dlspark.cluster import local_cluster
+from dlspark.errors import CorruptMinibatchError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client2():
+    with local_cluster(2) as cluster, Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client1():
+    with local_cluster(1) as cluster, Client(cluster) as client:
+        yield client
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _simulate(make_net, batches, workers, freq, save_updater):
+    """Parameter averaging by hand, in one process: the oracle for the distributed run."""
+    nets = [make_net() for _ in range(workers)]
+    ref = nets[0]
+    start = ref.state
+    for r0 in range(0, len(batches), workers * freq):
+        chunk = batches[r0:r0 + workers * freq]
+        shares = np.array_split(np.arange(len(chunk)), workers)
+        states = []
+        for w, share in enumerate(shares):
+            if len(share) == 0:
+                continue
+            st = start
+            if not save_updater:
+                st = st.replace(opt_state=ref.updater.init(st.params))
+            for i in share:
+                st, _, _ = ref.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
+                                                jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch()))
+            states.append(st)
+
+        def mean(*leaves):
+            if np.issubdtype(np.asarray(leaves[0]).dtype, np.floating):
+                return sum(np.asarray(x, np.float32) for x in leaves) / len(leaves)
+            return leaves[0]
+
+        start = jax.tree_util.tree_map(mean, *states)
+    return start
+
+
+def test_config_validation_names_the_option():
+    with pytest.raises(ValueError, match="averaging_frequency must be an integer >= 1, got 0"):
+        ParameterAveraging(averaging_frequency=0)
+    with pytest.raises(ValueError, match=r"training_approach must be one of \('export', 'direct'\)"):
+        ParameterAveraging(training_approach="stream")
+    with pytest.raises(ValueError, match="repartition must be one of"):
+        ParameterAveraging(repartition="sometimes")
+    m = ParameterAveraging()
+    assert (m.batch_size_per_worker, m.averaging_frequency, m.worker_prefetch_num_batches, m.save_updater,
+            m.training_approach, m.repartition, m.repartition_strategy) == (32, 5, 2, True, "export", "always", "balanced")
+
+
+@pytest.mark.parametrize("approach", ["export", "direct"])
+def test_one_worker_equals_local_fit(client1, make_net, digits, approach):
+    tr, _ = digits
+    batches = tr[:640].batches(32)
+    local = make_net(updater=optax.adam(1e-2))
+    local.fit(batches, epochs=2)
+    net = make_net(updater=optax.adam(1e-2))
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, training_approach=approach)
+    DistributedTrainer(client1, net, master, progress=False).fit(batches, epochs=2)
+    _close(net.state.params, local.state.params)
+    _close(net.state.opt_state, local.state.opt_state)
+    assert (net.iteration, net.epoch) == (local.iteration, local.epoch)
+
+
+def test_two_workers_sgd_frequency_one_equals_synchronous_large_batch_sgd(client2, make_net, digits):
+    tr, _ = digits
+    batches = tr[:512].batches(32)
+    net = make_net(updater=optax.sgd(0.1))
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1)
+    DistributedTrainer(client2, net, master, progress=False).fit(batches)
+    sync = make_net(updater=optax.sgd(0.1))
+    sync.fit([DataSet.merge(batches[i:i + 2]) for i in range(0, len(batches), 2)])
+    _close(net.state.params, sync.state.params, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("save_updater", [True, False])
+def test_adam_updater_state_is_averaged_or_reset(client2, make_net, digits, save_updater):
+    tr, _ = digits
+    batches = tr[:576].batches(32)  # 18 minibatches: 3 rounds of 2 workers x 3
+    net = make_net(updater=optax.adam(1e-2))
+    master = ParameterAveraging(averaging_frequency=3, save_updater=save_updater, training_approach="direct")
+    DistributedTrainer(client2, net, master, progress=False).fit(batches)
+    expected = _simulate(lambda: make_net(updater=optax.adam(1e-2)), batches, 2, 3, save_updater)
+    _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
+    _close(net.state.opt_state, expected.opt_state, rtol=1e-4, atol=1e-6)
+    count = int(jax.tree_util.tree_leaves(net.state.opt_state)[0])
+    assert count == (3 if not save_updater else 9)
+
+
+def _digits_net(make_net):
+    return make_net(MLP(hidden=128), updater=optax.adam(5e-3))
+
+
+@pytest.mark.parametrize("approach", ["export", "direct"])
+def test_two_workers_reach_95_percent_with_fit(client2, make_net, digits, approach):
+    tr, te = digits
+    net = _digits_net(make_net)
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2,
+                                                                 training_approach=approach), progress=False)
+    trainer.fit(tr, epochs=8)
+    assert accuracy(trainer.network, te) >= 0.95
+    assert len(trainer.loss_history) > 0 and trainer.loss_history[-1][2] < trainer.loss_history[0][2]
+    trainer.delete_temp_files()
+
+
+def test_fit_paths_local_directory_and_dask_inputs(client2, make_net, digits, tmp_path):
+    import dask.array as da
+    import dask.bag as db
+
+    tr, te = digits
+    dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16)
+    net = _digits_net(make_net)
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(averaging_frequency=2), progress=False)
+    trainer.fit_paths(str(tmp_path / "mb"), epochs=8)
+    assert accuracy(net, te) >= 0.95
+    # dask array pair (export) and dask bag of DataSets (direct) train too
+    x, y = da.from_array(tr.features, chunks=400), da.from_array(tr.labels, chunks=400)
+    net2 = _digits_net(make_net)
+    DistributedTrainer(client2, net2, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2),
+                       progress=False).fit((x, y), epochs=2)
+    bag = db.from_sequence(tr.batches(100), npartitions=4)
+    net3 = _digits_net(make_net)
+    DistributedTrainer(client2, net3, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2,
+                                                         training_approach="direct"), progress=False).fit(bag, epochs=2)
+    assert accuracy(net2, te) > 0.9 and accuracy(net3, te) > 0.9
+    assert net2.iteration == net3.iteration == 2 * sum(int(np.ceil(n / 16)) for n in [400, 400, 400, 400, len(tr) - 1600])
+
+
+def test_fit_paths_from_s3(client2, make_net, digits):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server._server.server_address
+        opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}",
+                                                                          "region_name": "us-east-1"}}
+        import boto3
+        import s3fs
+
+        boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
+                     **opts["client_kwargs"]).create_bucket(Bucket="dlspark-test")
+        fs = s3fs.S3FileSystem(**opts)
+        tr, te = digits
+        urls = dlspark.data.save_minibatches(tr, url="s3://dlspark-test/train", batch_size=16, **opts)
+        assert urls[0].startswith("s3://") and fs.exists(urls[0])
+        net = _digits_net(make_net)
+        DistributedTrainer(client2, net, ParameterAveraging(averaging_frequency=2), progress=False).fit_paths(
+            "s3://dlspark-test/train/*.npz", epochs=8, storage_options=opts)
+        assert accuracy(net, te) >= 0.95
+    finally:
+        server.stop()
+
+
+def test_memory_urls_and_bad_paths_fail_clearly_and_leave_the_cluster_usable(client2, make_net, digits, tmp_path):
+    tr, _ = digits
+    trainer = DistributedTrainer(client2, make_net(), ParameterAveraging(), progress=False)
+    with pytest.raises(ValueError, match="memory://.*cannot be read by worker processes"):
+        trainer.fit_paths("memory://somewhere/*.npz")
+    with pytest.raises(FileNotFoundError, match="matched no minibatch files"):
+        trainer.fit_paths(str(tmp_path) + "/*.npz")
+    with pytest.raises(FileNotFoundError, match="no file or directory at .*nowhere"):
+        trainer.fit_paths(str(tmp_path / "nowhere"))
+    urls = dlspark.data.save_minibatches(tr[:128], url=str(tmp_path / "mb"), batch_size=32)
+    with open(urls[2], "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(CorruptMinibatchError, match="batch_000002.npz"):
+        trainer.fit_paths(str(tmp_path / "mb"))
+    with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_url"):
+        trainer.fit(tr, checkpoint_every=2)
+    # the cluster still trains
+    before = trainer.network.iteration
+    trainer.fit(tr[:256])
+    assert trainer.network.iteration == before + 8
+
+
+def test_checkpoint_and_resume_equal_an_uninterrupted_run(client2, make_net, digits, tmp_path):
+    tr, _ = digits
+    data = tr[:640]  # 20 minibatches of 32: 5 rounds of 2 workers x 2 per epoch
+    url = str(tmp_path / "ck.dls")
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2)
+    straight = make_net(updater=optax.adam(1e-2))
+    DistributedTrainer(client2, straight, master, progress=False).fit(data, epochs=2, checkpoint_every=7,
+                                                                       checkpoint_url=url)
+    saved = dlspark.Network.load(url)
+    assert saved.iteration == 28 and saved.epoch == 1  # written after round 7 (epoch 2, round 2)
+    resumed = make_net(updater=optax.adam(1e-2))
+    DistributedTrainer(client2, resumed, master, progress=False).fit(data, epochs=2, resume_from=url)
+    _close(resumed.state.params, straight.state.params)
+    _close(resumed.state.opt_state, straight.state.opt_state)
+    assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (40, 2)
+
+
+def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(client2, make_net, digits):
+    tr, te = digits
+    pids = client2.run(os.getpid)
+    victim = sorted(pids)[1]
+    events = []
+    killed = threading.Event()
+
+    def on_round(stat):
+        events.append(stat)
+        if stat["round"] == 3 and not killed.is_set():
+            killed.set()
+            os.kill(pids[victim], signal.SIGKILL)
+
+    n_batches = int(np.ceil(len(tr) / 16))
+    net = _digits_net(make_net)
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2),
+                                 progress=False)
+    trainer.fit(tr, epochs=4, callbacks=[on_round])
+    assert killed.is_set()
+    per_epoch = {}
+    for s in trainer.last_fit_stats:
+        per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
+    assert per_epoch == {e: n_batches for e in range(4)}
+    assert net.iteration == 4 * n_batches
+    assert min(s["workers"] for s in trainer.last_fit_stats) == 1  # rounds ran with the survivor
+    assert accuracy(net, te) >= 0.9
+    client2.wait_for_workers(2, timeout=60)
