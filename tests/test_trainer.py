@@ -246,6 +246,10 @@ def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(clie
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
     assert per_epoch == {e: n_batches for e in range(4)}
     assert net.iteration == 4 * n_batches
-    assert min(s["workers"] for s in trainer.last_fit_stats) == 1  # rounds ran with the survivor
+    after = [s["workers"] for s in trainer.last_fit_stats if s["round"] > 3]
+    assert min(after) == 1  # rounds ran with the survivor
+    # The nanny restarts the killed process; the new worker joins with the current
+    # params from its live peer and contributes to later rounds.
+    assert after[-1] == 2
     assert accuracy(net, te) >= 0.9
     client2.wait_for_workers(2, timeout=60)

@@ -175,6 +175,7 @@ class _JobRunner:
                 "worker_fit_time": {w: fits[w]["fit_time"] for w in contributors},
                 "data_wait": {w: fits[w]["data_wait"] for w in contributors},
                 "avg_time": max((a["avg_time"] for a in avgs.values()), default=0.0),
+                "fetch_time": max((a["fetch_time"] for a in avgs.values()), default=0.0),
                 "bytes_received": sum(a["bytes_received"] for a in avgs.values()),
                 "trained_total": self.coord.trained_total,
             }

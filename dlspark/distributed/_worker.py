@@ -280,9 +280,10 @@ class DlsparkWorkerPlugin(WorkerPlugin):
                 leaves = resp["leaves"]
                 nbytes += sum(np.asarray(x).nbytes for x in leaves)
                 contribs.append(leaves)
+        t_fetch = time.perf_counter() - t0
         own = j.contributions.get(round) or await self._run(j, j.leaves)
         await self._run(j, lambda: j.set_leaves(average_leaves(own, contribs)))
-        return {"avg_time": time.perf_counter() - t0, "bytes_received": nbytes}
+        return {"avg_time": time.perf_counter() - t0, "fetch_time": t_fetch, "bytes_received": nbytes}
 
     async def _state(self, job: str, step: int | None = None, epoch: int | None = None):
         j = self._job(job)

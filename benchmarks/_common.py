@@ -1,0 +1,58 @@
+"""Shared pieces of the benchmarks: a network whose step costs about 10 ms on one core."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import numpy as np
+import optax
+
+import dlspark
+
+
+class WideMLP(nn.Module):
+    width: int = 768
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(10)(x)
+
+
+def make_network(width=768, n_features=256):
+    x = np.zeros((1, n_features), np.float32)
+    return dlspark.Network(dlspark.Model.from_flax(WideMLP(width), x), updater=optax.sgd(1e-3))
+
+
+def make_data(n, n_features=256):
+    return dlspark.datasets.synthetic_classification(n, n_features=n_features, n_classes=10, seed=0)
+
+
+def plain_steps_per_second(width, batch_size, steps=60, core=0):
+    """Steps/s of the same jitted step in a fresh process pinned to one core (the baseline)."""
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        os.sched_setaffinity(0, {{{core}}})
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import jax, numpy as np
+        from _common import make_network, make_data
+        net = make_network({width})
+        ds = make_data({batch_size})
+        batch = jax.tree_util.tree_map(jax.numpy.asarray, ds.jit_batch())
+        st = net.state
+        for _ in range(5):
+            st, loss, _ = net.steps.train_step(st, batch)
+        loss.block_until_ready()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range({steps}):
+            st, loss, _ = net.steps.train_step(st, batch)
+        loss.block_until_ready()
+        wall = time.perf_counter() - t0
+        print({steps} / wall, (time.process_time() - c0) / wall)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    rate, cpu_per_wall = map(float, out.stdout.split())
+    return rate, cpu_per_wall

@@ -1,0 +1,62 @@
+"""Per-worker efficiency of parameter averaging on a 2-worker LocalCluster.
+
+efficiency = (steps/s of one worker inside the job) / (steps/s of the same
+jitted step in a plain process pinned to one core). Both sides are measured
+in the same run. Print it with ``python benchmarks/bench_averaging.py``.
+"""
+
+import os
+import sys
+import timeit
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import make_data, make_network, plain_steps_per_second  # noqa: E402
+
+WIDTH, BATCH, FREQ = 768, 64, 5
+
+
+def measure(n_rounds=12, workers=2, width=WIDTH, batch=BATCH, freq=FREQ, approach="export"):
+    from distributed import Client
+
+    import dlspark
+    from dlspark.cluster import local_cluster
+    from dlspark.distributed._worker import DlsparkWorkerPlugin
+
+    data = make_data(batch * freq * workers * n_rounds)
+    with local_cluster(workers) as cluster, Client(cluster) as client:
+        client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers))
+        net = make_network(width)
+        master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq,
+                                            training_approach=approach)
+        trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
+        trainer.fit(data)
+        stats = trainer.last_fit_stats[2:]  # rounds 1-2 include compilation
+        steps = sum(s["minibatches"] for s in stats) / workers
+        wall = sum(s["round_time"] for s in stats)
+        fit = sum(max(s["worker_fit_time"].values()) for s in stats)
+        avg = sum(s["avg_time"] for s in stats)
+        fetch = sum(s["fetch_time"] for s in stats)
+        trainer.close()
+    job_rate = steps / wall
+    plain_rate, cpu = plain_steps_per_second(width, batch)
+    return {"job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": job_rate / plain_rate,
+            "plain_step_ms": 1000 / plain_rate, "plain_cpu_per_wall": cpu,
+            "fit_share": fit / wall, "avg_share": avg / wall, "fetch_share": fetch / wall}
+
+
+class ParameterAveragingEfficiency:
+    """asv: the ratio is the figure (``track_``), not an absolute time."""
+
+    timeout = 300
+    timer = timeit.default_timer
+    unit = "ratio"
+
+    def track_efficiency_2_workers(self):
+        return measure()["efficiency"]
+
+
+if __name__ == "__main__":
+    r = measure()
+    for k, v in r.items():
+        print(f"{k:>20}: {v:.3f}")
