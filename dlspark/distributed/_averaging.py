@@ -20,14 +20,20 @@ def average_leaves(own: list, contributions: list) -> list:
     """
     if not contributions:
         return list(own)
-    out = []
     n = len(contributions)
+    out = []
     for i, mine in enumerate(own):
+        mine = np.asarray(mine)
         if not is_averaged(mine):
             out.append(mine)
             continue
-        acc = np.array(contributions[0][i], dtype=np.float64 if np.asarray(mine).dtype == np.float64 else np.float32, copy=True)
+        if n == 1:
+            out.append(np.asarray(contributions[0][i]))
+            continue
+        # One copy, n-1 in-place adds, one in-place divide: few passes over memory.
+        acc = np.array(contributions[0][i], dtype=np.promote_types(mine.dtype, np.float32), copy=True)
         for c in contributions[1:]:
-            acc += c[i]
-        out.append((acc / n).astype(np.asarray(mine).dtype))
+            np.add(acc, c[i], out=acc)
+        np.divide(acc, n, out=acc)
+        out.append(acc.astype(mine.dtype, copy=False))
     return out
