@@ -32,8 +32,8 @@ import numpy as np
 from .errors import CheckpointError
 from .io import read_bytes, write_bytes
 
-__all__ = ["save_checkpoint", "restore_checkpoint", "load_checkpoint", "state_to_bytes", "state_from_bytes",
-           "FORMAT_VERSION"]
+__all__ = ["save_checkpoint", "restore_checkpoint", "load_checkpoint", "read_checkpoint_meta", "state_to_bytes",
+           "state_from_bytes", "FORMAT_VERSION"]
 
 FORMAT = "dlspark-checkpoint"
 FORMAT_VERSION = 1
@@ -172,6 +172,11 @@ def _read(url, storage_options):
 def restore_checkpoint(url: str, like, **storage_options):
     """Read the arrays of the checkpoint at ``url`` into a state shaped like ``like``."""
     return state_from_bytes(_read(url, storage_options), like, url)
+
+
+def read_checkpoint_meta(url: str, **storage_options) -> dict:
+    """The checkpoint's ``dlspark.json`` metadata (format, leaves, counters, fit progress)."""
+    return _open(url, _read(url, storage_options))[1]
 
 
 def load_checkpoint(url: str, **storage_options):

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import uuid
-import zipfile
 
 import cloudpickle
 import fsspec
-import numpy as np
 
-from .checkpoint import restore_checkpoint, state_from_bytes, state_to_bytes
+from .checkpoint import read_checkpoint_meta, state_from_bytes, state_to_bytes
 from .data import DataSet, MultiDataSet, as_dataset, list_minibatches, save_dataset
 from .distributed._masters import ParameterAveraging
 from .distributed._scheduler import DlsparkSchedulerPlugin
 from .distributed._worker import DlsparkWorkerPlugin
 from .errors import CheckpointError
-from .io import read_bytes, url_join
+from .io import url_join
 from .network import Network
 
 __all__ = ["DistributedTrainer"]
@@ -296,9 +293,7 @@ class DistributedTrainer:
 
     def _resume(self, url, epochs):
         self.network.restore(url)
-        raw = read_bytes(url)
-        meta = json.loads(zipfile.ZipFile(__import__("io").BytesIO(raw)).read("dlspark.json"))
-        prog = meta.get("fit_progress")
+        prog = read_checkpoint_meta(url).get("fit_progress")
         if prog is None:
             return epochs, ()
         if prog.get("epochs_total") != epochs:

@@ -9,7 +9,6 @@ Runs in well under a minute on a laptop CPU:
 import argparse
 
 import flax.linen as nn
-import numpy as np
 import optax
 
 import dlspark

@@ -3,7 +3,6 @@ import numpy as np
 import pytest
 
 from dlspark.losses import LOSSES, _SPECS, get_loss, reduce_loss
-from dlspark.network import _resolve_losses  # noqa: F401  (import check)
 
 RNG = np.random.default_rng(0)
 
