@@ -13,20 +13,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _common import make_data, make_network, plain_steps_per_second  # noqa: E402
 
-WIDTH, BATCH, FREQ = 768, 64, 5
+#: network -> minibatch size giving a plain step of roughly 10-13 ms on one core here
+BATCH = {"mlp": 160, "cnn": 16}
+FREQ = 5
 
 
-def measure(n_rounds=12, workers=2, width=WIDTH, batch=BATCH, freq=FREQ, approach="export"):
+def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export"):
     from distributed import Client
 
     import dlspark
     from dlspark.cluster import local_cluster
     from dlspark.distributed._worker import DlsparkWorkerPlugin
 
-    data = make_data(batch * freq * workers * n_rounds)
+    batch = BATCH[kind]
+    data = make_data(batch * freq * workers * n_rounds, kind)
+    # The baseline is measured before and after the job and averaged: the
+    # machine is shared, and its speed drifts within a run.
+    before, _ = plain_steps_per_second(kind, batch)
     with local_cluster(workers) as cluster, Client(cluster) as client:
         client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers))
-        net = make_network(width)
+        net = make_network(kind)
         master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq,
                                             training_approach=approach)
         trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
@@ -39,9 +45,10 @@ def measure(n_rounds=12, workers=2, width=WIDTH, batch=BATCH, freq=FREQ, approac
         fetch = sum(s["fetch_time"] for s in stats)
         trainer.close()
     job_rate = steps / wall
-    plain_rate, cpu = plain_steps_per_second(width, batch)
-    return {"job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": job_rate / plain_rate,
-            "plain_step_ms": 1000 / plain_rate, "plain_cpu_per_wall": cpu,
+    after, cpu = plain_steps_per_second(kind, batch)
+    plain_rate = (before + after) / 2
+    return {"network": kind, "params": net.num_params, "job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": job_rate / plain_rate,
+            "plain_step_ms": 1000 / plain_rate, "plain_drift": after / before, "plain_cpu_per_wall": cpu,
             "fit_share": fit / wall, "avg_share": avg / wall, "fetch_share": fetch / wall}
 
 
@@ -52,11 +59,14 @@ class ParameterAveragingEfficiency:
     timer = timeit.default_timer
     unit = "ratio"
 
-    def track_efficiency_2_workers(self):
-        return measure()["efficiency"]
+    params = ["mlp", "cnn"]
+    param_names = ["network"]
+
+    def track_efficiency_2_workers(self, kind):
+        return measure(kind)["efficiency"]
 
 
 if __name__ == "__main__":
-    r = measure()
-    for k, v in r.items():
-        print(f"{k:>20}: {v:.3f}")
+    for kind in sys.argv[1:] or ["mlp", "cnn"]:
+        r = measure(kind)
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))

@@ -14,6 +14,24 @@ WORKER_ENV = {
     "MKL_NUM_THREADS": "1",
 }
 
+#: Dask settings the nanny hands to each worker process. The statistical
+#: profiler samples every thread's stack every 10 ms: on a worker pinned to
+#: one core, that time comes out of the compute thread's.
+#: Dask also sets ``MALLOC_TRIM_THRESHOLD_=65536`` before spawning workers, which
+#: fixes glibc's mmap threshold at 128 KiB: every step's large buffers are then
+#: mmap'ed and unmapped anew, measured here to make a jitted CPU step ~3x slower.
+#: Our workers keep glibc's adaptive defaults instead.
+WORKER_CONFIG = {
+    "distributed.worker.multiprocessing-method": "spawn",
+    "distributed.worker.profile.enabled": False,
+    "distributed.nanny.pre-spawn-environ": {"OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1},
+    # The nannies live in the client's process, beside the scheduler; their
+    # 100 ms memory polls and the system monitors cost ~10% of a core here,
+    # taken from whichever worker shares that core.
+    "distributed.worker.memory.monitor-interval": "1s",
+    "distributed.admin.system-monitor.interval": "2s",
+}
+
 
 def _gpu_count() -> int:
     try:
@@ -63,5 +81,5 @@ def local_cluster(n_workers: int | None = None, **kwargs):
     env.update(kwargs.pop("env", {}) or {})
     kwargs.setdefault("dashboard_address", None)
     kwargs.setdefault("silence_logs", 40)
-    with dask.config.set({"distributed.worker.multiprocessing-method": "spawn"}):
+    with dask.config.set(WORKER_CONFIG):
         return LocalCluster(n_workers=n, threads_per_worker=1, processes=True, env=env, **kwargs)
