@@ -1,0 +1,114 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from dlspark.distributed._encoding import (BITMAP, HEADER_WORDS, SPARSE, bitmap_words, decode, message_info,
+                                           threshold_encode)
+from dlspark.distributed._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing,
+                                             ResidualClipping, TargetSparsityThreshold, ThresholdState)
+
+floats = st.floats(-10, 10, allow_nan=False, allow_infinity=False, width=32)
+vectors = arrays(np.float32, st.integers(1, 300), elements=floats)
+thresholds = st.floats(2.0 ** -20, 4.0, allow_nan=False, width=32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(vectors, thresholds)
+def test_decode_plus_residual_is_exact(r, t):
+    enc = threshold_encode(r, t)
+    back = decode(enc.message) + enc.residual
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back, r)
+    t32 = np.float32(t)
+    d = decode(enc.message)
+    moved = d != 0
+    assert enc.count == int(moved.sum())
+    assert (np.abs(r[moved]) >= t32).all() and set(np.unique(np.abs(d[moved]))) <= {t32}
+    # Every element in [t, 2t) moves (the subtraction is exact there); above 2t an
+    # element may rarely stay whole when no float32 residual restores it exactly.
+    assert moved[(np.abs(r) >= t32) & (np.abs(r) < 2 * t32)].all()
+
+
+def test_almost_every_eligible_element_moves_on_realistic_residuals():
+    r = np.random.default_rng(0).normal(0, 1e-3, 200_000).astype(np.float32)
+    enc = threshold_encode(r, 2e-3)
+    eligible = int((np.abs(r) >= np.float32(2e-3)).sum())
+    assert enc.count >= 0.99 * eligible
+    np.testing.assert_array_equal(decode(enc.message) + enc.residual, r)
+
+
+@settings(max_examples=200, deadline=None)
+@given(vectors, thresholds)
+def test_format_is_the_smaller_message_and_header_matches(r, t):
+    enc = threshold_encode(r, t)
+    info = message_info(enc.message)
+    assert info["length"] == r.size and info["count"] == enc.count
+    assert info["threshold"] == np.float32(t)
+    sparse_words, bitmap = enc.count, bitmap_words(r.size)
+    if enc.count > r.size / 16:
+        assert info["format"] == BITMAP and enc.message.size == HEADER_WORDS + bitmap
+        assert bitmap <= sparse_words
+    else:
+        assert info["format"] == SPARSE and enc.message.size == HEADER_WORDS + sparse_words
+        assert sparse_words <= r.size / 16
+
+
+def test_both_formats_on_known_vectors():
+    r = np.zeros(64, np.float32)
+    r[[3, 10]] = [0.5, -0.7]
+    enc = threshold_encode(r, 0.25)
+    assert enc.format == SPARSE and list(enc.message[HEADER_WORDS:]) == [4, -11]
+    np.testing.assert_allclose(enc.residual[[3, 10]], [0.25, -0.45], rtol=1e-6)
+    dense = np.linspace(-1, 1, 40, dtype=np.float32)
+    enc = threshold_encode(dense, 0.1)
+    assert enc.format == BITMAP and enc.message.size == HEADER_WORDS + 3
+    with pytest.raises(ValueError, match="positive finite"):
+        threshold_encode(dense, 0.0)
+
+
+def _trajectory(algo, sparsities):
+    s = algo.init()
+    out = [s.threshold]
+    for x in sparsities:
+        s = algo.update(s, x)
+        out.append(s.threshold)
+    return out
+
+
+def test_adaptive_threshold_trajectory():
+    a = AdaptiveThreshold(initial=1e-3, decay=0.5)
+    # too sparse -> lower; in band -> keep; too dense -> raise; bitmap step counts as 1/16 -> raise
+    traj = _trajectory(a, [1e-5, 1e-5, 5e-3, 0.5, 1 / 16])
+    np.testing.assert_allclose(traj, [1e-3, 5e-4, 2.5e-4, 2.5e-4, 5e-4, 1e-3])
+    assert AdaptiveThreshold().decay == pytest.approx(0.5 ** (1 / 20))
+
+
+def test_target_sparsity_and_fixed():
+    ts = TargetSparsityThreshold(initial=1e-3, target=1e-3, decay=0.5)
+    np.testing.assert_allclose(_trajectory(ts, [1e-4, 1e-2, 1e-3]), [1e-3, 5e-4, 1e-3, 1e-3])
+    assert _trajectory(FixedThreshold(0.2), [0.0, 1.0]) == [0.2, 0.2, 0.2]
+    red = AdaptiveThreshold().reduce([ThresholdState(1e-3), ThresholdState(3e-3)])
+    assert red.threshold == pytest.approx(2e-3)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: AdaptiveThreshold(decay=0.4), r"decay must be in \[0.5, 1\)"),
+    (lambda: AdaptiveThreshold(decay=1.0), r"decay must be in \[0.5, 1\)"),
+    (lambda: TargetSparsityThreshold(target=1 / 16), r"target must be in \(0, 1/16\)"),
+    (lambda: AdaptiveThreshold(min_sparsity=0.1, max_sparsity=0.2), "max_sparsity <= 1/16"),
+    (lambda: FixedThreshold(-1.0), "threshold must be a positive number"),
+    (lambda: ResidualClipping(5, 0), "frequency must be an integer >= 1"),
+])
+def test_bad_parameters_name_the_allowed_range(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
+
+
+def test_residual_clipping_every_n_iterations():
+    r = np.array([1.0, -1.0, 0.01], np.float32)
+    clip = ResidualClipping(threshold_multiple=5, frequency=5)
+    np.testing.assert_array_equal(clip.update(r.copy(), 0.1, 4), r)
+    np.testing.assert_allclose(clip.update(r.copy(), 0.1, 5), [0.5, -0.5, 0.01])
+    np.testing.assert_array_equal(NoResidualPostProcessing().update(r.copy(), 0.1, 5), r)
