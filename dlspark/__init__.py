@@ -8,7 +8,8 @@ hold the rest.
 from . import data, datasets, errors, io, losses
 from .data import DataSet, MultiDataSet
 from .model import Model
-from .distributed import ParameterAveraging
+from .distributed import (AdaptiveThreshold, FixedThreshold, GradientSharing, NoResidualPostProcessing,
+                          ParameterAveraging, ResidualClipping, TargetSparsityThreshold)
 from .network import Network, TrainState
 from .trainer import DistributedTrainer
 
@@ -20,6 +21,12 @@ __all__ = [
     "TrainState",
     "DistributedTrainer",
     "ParameterAveraging",
+    "GradientSharing",
+    "AdaptiveThreshold",
+    "TargetSparsityThreshold",
+    "FixedThreshold",
+    "ResidualClipping",
+    "NoResidualPostProcessing",
     "DataSet",
     "MultiDataSet",
     "data",

@@ -8,10 +8,12 @@ import uuid
 
 import cloudpickle
 import fsspec
+import numpy as np
 
 from .checkpoint import read_checkpoint_meta, state_from_bytes, state_to_bytes
 from .data import DataSet, MultiDataSet, as_dataset, list_minibatches, save_dataset
-from .distributed._masters import ParameterAveraging
+from .distributed._masters import GradientSharing, ParameterAveraging
+from .distributed._thresholds import ThresholdState
 from .distributed._scheduler import DlsparkSchedulerPlugin
 from .distributed._worker import DlsparkWorkerPlugin
 from .errors import CheckpointError
@@ -87,8 +89,10 @@ class DistributedTrainer:
     def __init__(self, client=None, network: Network | None = None, master=None, *, progress: bool = True):
         if network is None or not isinstance(network, Network):
             raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__}")
-        if master is not None and not isinstance(master, ParameterAveraging):
-            raise TypeError(f"master must be a dlspark.ParameterAveraging, got {type(master).__name__}")
+        if master is not None and not isinstance(master, (ParameterAveraging, GradientSharing)):
+            raise TypeError(
+                f"master must be dlspark.ParameterAveraging(...) or dlspark.GradientSharing(...), got {type(master).__name__}"
+            )
         self._cluster = None
         pin = False
         if client is None:
@@ -108,6 +112,12 @@ class DistributedTrainer:
         #: Per-round statistics (timings, bytes moved), DL4J's training stats.
         self.training_stats: list = []
         self._temp_dirs: list = []
+        #: Gradient sharing: the threshold state carried from one fit to the next (reduced over workers).
+        self.threshold_state = None
+        #: Gradient sharing: bytes sent between workers, and what dense fp32 updates would have sent.
+        self.communication = {"bytes_sent": 0, "dense_bytes": 0}
+        #: Gradient sharing: largest absolute difference between replicas' parameters at the end of the last fit.
+        self.replica_divergence = None
         self._install_plugins(pin)
 
     # -- lifecycle -------------------------------------------------------------
@@ -311,10 +321,12 @@ class DistributedTrainer:
         workers = self._workers()
         job = uuid.uuid4().hex[:12]
         spec = cloudpickle.dumps({"definition": net.definition(), "master": self.master, "refs": refs,
-                                  "loader": loader, "storage_options": storage_options})
+                                  "loader": loader, "storage_options": storage_options,
+                                  "threshold_state": self.threshold_state})
         state = state_to_bytes(net.state)
         base_step, base_epoch = net.iteration, net.epoch
-        options = {"steps_per_round": self.master.averaging_frequency, "repartition": self.master.repartition,
+        options = {"algorithm": self.master.algorithm,
+                   "steps_per_round": self.master.steps_per_round, "repartition": self.master.repartition,
                    "repartition_strategy": self.master.repartition_strategy, "skip": list(skip),
                    "base_epoch": base_epoch, "base_step": base_step,
                    "checkpoint_every": checkpoint_every, "checkpoint_url": checkpoint_url}
@@ -344,6 +356,8 @@ class DistributedTrainer:
             final = client.sync(_fetch_state, client, result["worker"], job, base_step + result["trained"],
                                 base_epoch + epochs)
             net.state = state_from_bytes(final, net.state)
+            if self.master.algorithm == "sharing":
+                self._after_sharing(result, job, net)
             for s in result["stats"]:
                 self.loss_history.append((s["round"], base_epoch + s["epoch"], s["loss"]))
             if self.master.collect_training_stats:
@@ -358,6 +372,26 @@ class DistributedTrainer:
             if bar is not None:
                 bar.close()
         return net
+
+    def _after_sharing(self, result, job, net):
+        algo = self.master.threshold_algorithm
+        states = [ThresholdState(*s) for s in result["threshold_states"]]
+        if states:
+            self.threshold_state = algo.reduce(states)
+        for s in result["stats"]:
+            self.communication["bytes_sent"] += s.get("bytes_sent", 0)
+            self.communication["dense_bytes"] += s.get("dense_bytes", 0)
+        # Every replica applied the same messages; they differ only by the order
+        # of float additions. The trainer keeps the first worker's state.
+        import jax
+
+        ref = jax.tree_util.tree_leaves(net.state.params)
+        worst = 0.0
+        for w in result["workers"][1:]:
+            other = state_from_bytes(self.client.sync(_fetch_state, self.client, w, job, None, None), net.state)
+            for a, b in zip(ref, jax.tree_util.tree_leaves(other.params)):
+                worst = max(worst, float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
+        self.replica_divergence = worst
 
     def _progress_bar(self, progress, total):
         show = self.progress if progress is None else progress

@@ -5,7 +5,12 @@ import no Dask; the plugins live in private modules imported by the trainer.
 """
 
 from ._averaging import average_leaves
-from ._masters import ParameterAveraging
+from ._encoding import decode, threshold_encode
+from ._masters import GradientSharing, ParameterAveraging
 from ._plan import Coordinator, RoundPlan
+from ._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing, ResidualClipping,
+                          TargetSparsityThreshold, ThresholdState)
 
-__all__ = ["ParameterAveraging", "Coordinator", "RoundPlan", "average_leaves"]
+__all__ = ["ParameterAveraging", "GradientSharing", "Coordinator", "RoundPlan", "average_leaves",
+           "threshold_encode", "decode", "AdaptiveThreshold", "TargetSparsityThreshold", "FixedThreshold",
+           "ThresholdState", "ResidualClipping", "NoResidualPostProcessing"]

@@ -51,6 +51,8 @@ class _JobRunner:
         self.done = asyncio.Event()
         self.result: dict = {}
         self.stats: list = []
+        self.gs_steps: dict = {}  # gradient sharing: each worker's message counter
+        self.threshold_states: dict = {}
         self.cancelled = False
         self.task = asyncio.ensure_future(self._main())
 
@@ -122,8 +124,10 @@ class _JobRunner:
             await self._rounds()
             if not self.live:
                 raise JobFailedError(f"job {self.job}: every worker was lost")
-            self.result = {"status": "OK", "worker": sorted(self.live)[0],
-                           "trained": self.coord.trained_total, "stats": self.stats}
+            self.result = {"status": "OK", "worker": sorted(self.live)[0], "workers": sorted(self.live),
+                           "trained": self.coord.trained_total, "stats": self.stats,
+                           "threshold_states": [self.threshold_states[w] for w in sorted(self.live)
+                                                if w in self.threshold_states]}
         except RemoteError as e:
             logger.warning("dlspark job %s failed on a worker: %s", self.job, e)
             self.result = {"status": "error", "error": e.pickled}
@@ -148,22 +152,11 @@ class _JobRunner:
             if plan is None:
                 return
             t0 = time.perf_counter()
-            fits, _ = await self._each(
-                [w for w in plan.assignment if plan.assignment[w]], "fit",
-                lambda w: {"round": plan.round, "epoch": opts["base_epoch"] + plan.epoch,
-                           "refs": plan.assignment[w]},
-            )
-            t_fit = time.perf_counter() - t0
-            contributors = [w for w in plan.contributors if w in fits and w in self.live]
-            while True:
-                receivers = sorted(self.live)
-                if not receivers:
-                    return
-                avgs, lost = await self._each(receivers, "average",
-                                              lambda w: {"round": plan.round, "contributors": contributors})
-                if not any(w in contributors for w in lost):
-                    break
-                contributors = [w for w in contributors if w in self.live]
+            if opts.get("algorithm") == "sharing":
+                fits, contributors, avgs = await self._sharing_round(plan)
+            else:
+                fits, contributors, avgs = await self._averaging_round(plan)
+            t_fit = max((f["fit_time"] for f in fits.values()), default=0.0)
             counted = self.coord.complete_round(plan, contributors)
             losses = [fits[w]["loss_sum"] for w in contributors]
             n = sum(fits[w]["n"] for w in contributors)
@@ -174,16 +167,79 @@ class _JobRunner:
                 "round_time": time.perf_counter() - t0, "fit_time_max": t_fit,
                 "worker_fit_time": {w: fits[w]["fit_time"] for w in contributors},
                 "data_wait": {w: fits[w]["data_wait"] for w in contributors},
-                "avg_time": max((a["avg_time"] for a in avgs.values()), default=0.0),
-                "fetch_time": max((a["fetch_time"] for a in avgs.values()), default=0.0),
-                "bytes_received": sum(a["bytes_received"] for a in avgs.values()),
+                "avg_time": max((a.get("avg_time", 0.0) for a in avgs.values()), default=0.0),
+                "fetch_time": max((a.get("fetch_time", 0.0) for a in avgs.values()), default=0.0),
+                "bytes_received": sum(a.get("bytes_received", 0) for a in avgs.values()),
                 "trained_total": self.coord.trained_total,
             }
+            if opts.get("algorithm") == "sharing":
+                stat.update(
+                    bytes_sent=sum(fits[w]["bytes_sent"] for w in contributors),
+                    dense_bytes=sum(fits[w]["dense_bytes"] for w in contributors),
+                    threshold={w: fits[w]["threshold"] for w in contributors},
+                    stale_wait=max((fits[w]["stale_wait"] for w in contributors), default=0.0),
+                    encoding_debug={w: fits[w]["debug"] for w in contributors if fits[w]["debug"]},
+                )
             self.stats.append(stat)
             self._emit(stat)
             every = opts.get("checkpoint_every")
             if every and plan.round % every == 0 and self.live:
                 await self._checkpoint()
+
+    async def _averaging_round(self, plan):
+        fits, _ = await self._each(
+            [w for w in plan.assignment if plan.assignment[w]], "fit",
+            lambda w: {"round": plan.round, "epoch": self.options["base_epoch"] + plan.epoch,
+                       "refs": plan.assignment[w]},
+        )
+        contributors = [w for w in plan.contributors if w in fits and w in self.live]
+        while True:
+            receivers = sorted(self.live)
+            if not receivers:
+                return fits, [], {}
+            avgs, lost = await self._each(receivers, "average",
+                                          lambda w: {"round": plan.round, "contributors": contributors})
+            if not any(w in contributors for w in lost):
+                return fits, contributors, avgs
+            contributors = [w for w in contributors if w in self.live]
+
+    async def _sharing_round(self, plan):
+        """Workers step freely, exchanging messages peer to peer; then every replica
+        catches up on the round's messages it missed, so all applied the same set."""
+        peers = {w: (self.gs_steps.get(w, 0), len(plan.assignment.get(w, []))) for w in sorted(self.live)}
+        fits, _ = await self._each(
+            [w for w in plan.assignment if plan.assignment[w]], "fit",
+            lambda w: {"round": plan.round, "epoch": self.options["base_epoch"] + plan.epoch,
+                       "refs": plan.assignment[w], "peers": peers},
+        )
+        contributors = [w for w in plan.contributors if w in fits and w in self.live]
+        while True:
+            receivers = sorted(self.live)
+            if not receivers:
+                return fits, [], {}
+            haves, lost = await self._each(receivers, "gs_have", lambda w: {})
+            holder: dict = {}
+            for w in sorted(haves, key=lambda a: a not in contributors):
+                for sender, steps in haves[w]["have"].items():
+                    for k in steps:
+                        holder.setdefault((sender, k), sender if sender in haves else w)
+            missing = {}
+            for w in haves:
+                mine = {(s, k) for s, ks in haves[w]["have"].items() for k in ks}
+                need: dict = {}
+                for key, h in holder.items():
+                    if key not in mine and key[0] != w:
+                        need.setdefault(h, []).append(list(key))
+                missing[w] = need
+            syncs, lost = await self._each(sorted(haves), "gs_sync", lambda w: {"missing": missing[w]})
+            if not lost:
+                break
+            contributors = [w for w in contributors if w in self.live]
+        for w, r in syncs.items():
+            self.gs_steps[w] = r["step"]
+            self.threshold_states[w] = r["threshold_state"]
+        await self._each(sorted(self.live), "gs_next", lambda w: {})
+        return fits, [w for w in contributors if w in self.live], {}
 
     async def _checkpoint(self):
         opts = self.options

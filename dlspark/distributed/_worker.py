@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DlsparkWorkerPlugin"]
 
-_HANDLERS = ("setup", "join", "fit", "contribution", "average", "state", "checkpoint", "teardown")
+_HANDLERS = ("setup", "join", "fit", "contribution", "average", "state", "checkpoint", "teardown",
+             "gs_push", "gs_have", "gs_sync", "gs_get", "gs_next")
 
 
 def pin_process(cores) -> None:
@@ -105,6 +106,11 @@ class _Job:
         self.state = state
         self.rank = rank
         self.treedef = jax.tree_util.tree_structure(state)
+        self.sharing = None
+        if self.master.algorithm == "sharing":
+            from ._sharing import SharingState
+
+            self.sharing = SharingState(self)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute")
         self.contributions: dict = {}
         self.ready: dict = {}
@@ -251,8 +257,10 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         resp = await self.worker.rpc(source).dlspark_state(job=job)
         return await self._setup(job, spec, resp["state"], rank)
 
-    async def _fit(self, job: str, round: int, epoch: int, refs: list):
+    async def _fit(self, job: str, round: int, epoch: int, refs: list, peers: dict | None = None):
         j = self._job(job)
+        if j.sharing is not None:
+            return await self._fit_sharing(j, job, epoch, refs, peers or {})
         for r in [r for r in j.contributions if r < round]:
             j.contributions.pop(r, None)
             j.ready.pop(r, None)
@@ -260,6 +268,60 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         j.contributions[round] = await self._run(j, j.leaves)
         j.ready.setdefault(round, asyncio.Event()).set()
         return result
+
+    # -- gradient sharing ----------------------------------------------------------
+    async def _fit_sharing(self, j, job, epoch, refs, peers):
+        loop = asyncio.get_running_loop()
+        me = self.worker.address
+        peers = {p: tuple(v) for p, v in peers.items() if p != me}
+
+        async def push(step, message):
+            payload = to_serialize(message)
+            await asyncio.gather(*[self.worker.rpc(p).dlspark_gs_push(job=job, sender=me, step=step, message=payload)
+                                   for p in peers], return_exceptions=True)
+
+        def send(step, message):
+            asyncio.run_coroutine_threadsafe(push(step, message), loop)
+
+        def run():
+            j.state = j.state.replace(epoch=jnp.asarray(epoch, jnp.int32))
+            pre = _Prefetcher(refs, j.load, j.master.worker_prefetch_num_batches)
+            t0 = time.perf_counter()
+            out = j.sharing.fit(pre, peers, send)
+            out.update(fit_time=time.perf_counter() - t0, data_wait=pre.wait_time)
+            return out
+
+        return await self._run(j, run)
+
+    async def _gs_push(self, job: str, sender: str, step: int, message):
+        j = self.jobs.get(job)
+        if j is not None and j.sharing is not None:
+            j.sharing.receive(sender, step, np.asarray(message))
+        return {"status": "OK"}
+
+    async def _gs_have(self, job: str):
+        return {"have": self._job(job).sharing.have(), "step": self._job(job).sharing.step}
+
+    async def _gs_next(self, job: str):
+        """Every replica has synced: forget the finished round's messages."""
+        self._job(job).sharing.new_round()
+        return {"status": "OK"}
+
+    async def _gs_get(self, job: str, keys: list):
+        return {"messages": to_serialize(self._job(job).sharing.get(keys))}
+
+    async def _gs_sync(self, job: str, missing: dict):
+        """Fetch the round's messages this replica missed (``{holder: [(sender, step), ...]}``), apply all."""
+        j = self._job(job)
+        extra = []
+        for holder, keys in missing.items():
+            if holder == self.worker.address:
+                continue
+            resp = await self.worker.rpc(holder).dlspark_gs_get(job=job, keys=keys)
+            extra.extend(zip([tuple(k) for k in keys], resp["messages"]))
+        await self._run(j, lambda: j.sharing.apply_pending(extra))
+        return {"threshold": float(j.sharing.tstate.threshold), "step": j.sharing.step,
+                "threshold_state": tuple(j.sharing.tstate)}
 
     async def _contribution(self, job: str, round: int):
         j = self._job(job)

@@ -1,0 +1,189 @@
+"""Worker side of gradient sharing: residual, threshold, inbox of peer messages.
+
+The numerics are :mod:`._encoding` and :mod:`._thresholds`; this module keeps
+the per-worker bookkeeping (which message from which peer was applied) and
+runs the step loop on the job's compute thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+
+from ._encoding import BITMAP, decode_into, threshold_encode
+
+__all__ = ["SharingState", "EMPTY"]
+
+#: Format 0: a progress note with no update (a step whose message would carry < 2 elements).
+EMPTY = 0
+_STALE_TIMEOUT = 5.0
+
+
+def _empty_message(length, threshold):
+    t = np.array([threshold], np.float32).view(np.int32)[0]
+    return np.array([EMPTY, 0, length, t], np.int32)
+
+
+class SharingState:
+    """Per-job gradient-sharing state of one worker."""
+
+    def __init__(self, job):
+        self.job = job
+        master = job.master
+        self.algo = master.threshold_algorithm
+        self.post = master.residual_post_processor
+        self.debug = master.encoding_debug
+        flat, self.unravel = ravel_pytree(job.state.params)
+        self.n = int(flat.size)
+        self.residual = np.zeros(self.n, np.float32)
+        self.tstate = job.spec.get("threshold_state") or self.algo.init()
+        self.step = 0  # this worker's message counter
+        self.lock = threading.Condition()
+        self.inbox: dict = {}  # (sender, step) -> message, this round
+        self.applied: set = set()  # (sender, step) applied to this replica
+        self.progress: dict = {}  # sender -> highest step seen
+        self.gone: set = set()
+        self.store: dict = {}  # (sender, step) -> message: everything seen this round, to serve peers that missed one
+        steps = job.net.steps
+        unravel = self.unravel
+
+        def flat_update(state, batch):
+            updates, opt, ms, rng, loss = steps.compute_update(state, batch)
+            return ravel_pytree(updates)[0], opt, ms, rng, loss
+
+        def apply_flat(state, flat, opt, ms, rng):
+            return steps.apply_update(state, unravel(flat), opt, ms, rng)
+
+        def add_flat(state, flat):
+            return state.replace(params=optax.apply_updates(state.params, unravel(flat)))
+
+        self.flat_update = jax.jit(flat_update)
+        self.apply_flat = jax.jit(apply_flat, donate_argnums=(0,))
+        self.add_flat = jax.jit(add_flat, donate_argnums=(0,))
+
+    # -- inbox (event loop thread) -----------------------------------------------
+    def receive(self, sender, step, message):
+        with self.lock:
+            self.store.setdefault((sender, step), message)
+            if (sender, step) not in self.applied:
+                self.inbox.setdefault((sender, step), message)
+            self.progress[sender] = max(self.progress.get(sender, 0), step)
+            self.lock.notify_all()
+
+    def have(self):
+        """The round's messages this worker holds, as ``{sender: [steps]}``."""
+        with self.lock:
+            out: dict = {}
+            for sender, step in self.store:
+                out.setdefault(sender, []).append(step)
+            return {s: sorted(v) for s, v in out.items()}
+
+    def get(self, keys):
+        with self.lock:
+            return [self.store[tuple(k)] for k in keys]
+
+    def _drain_into(self, total):
+        """Apply every message in the inbox not yet applied; returns how many."""
+        with self.lock:
+            items = [(k, m) for k, m in self.inbox.items() if k not in self.applied]
+            for k, _ in items:
+                self.applied.add(k)
+        for _, m in items:
+            if m[0] != EMPTY:
+                decode_into(m, total)
+        return len(items)
+
+    def _wait_for_peers(self, peers, done, max_staleness):
+        """Block while some live peer is more than ``max_staleness`` of this round's steps behind.
+
+        ``peers`` maps each peer to ``(its step counter at round start, its
+        minibatches this round)``; a peer that finished its share holds no one back.
+        """
+        deadline = time.monotonic() + _STALE_TIMEOUT
+
+        def lagging(p):
+            start, quota = peers[p]
+            theirs = self.progress.get(p, start) - start
+            return theirs < quota and theirs < done - max_staleness
+
+        with self.lock:
+            while True:
+                behind = [p for p in peers if p not in self.gone and lagging(p)]
+                if not behind:
+                    return 0.0
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.gone.update(behind)  # the round's sync sorts out what they sent
+                    return _STALE_TIMEOUT
+                self.lock.wait(min(left, 0.05))
+
+    # -- the step loop (compute thread) ------------------------------------------
+    def new_round(self):
+        with self.lock:
+            self.inbox = {k: v for k, v in self.inbox.items() if k not in self.applied}
+            self.store = dict(self.inbox)
+        self.gone = set()
+
+    def fit(self, batches, peers, send):
+        """Run the steps of one round; ``send(step, message)`` ships a message to the peers."""
+        job = self.job
+        losses, stats, nbytes, examples = [], [], 0, 0
+        stale_wait = 0.0
+        state = job.state
+        for done, ds in enumerate(batches):
+            stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
+            job.net.check_batch(ds)
+            batch = jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
+            flat, opt, ms, rng, loss = self.flat_update(state, batch)
+            flat = np.asarray(flat)
+            if not np.isfinite(flat).all():
+                raise FloatingPointError(f"non-finite update at worker step {self.step}; lower the learning rate")
+            self.residual += flat
+            t = self.tstate.threshold
+            enc = threshold_encode(self.residual, t)
+            self.step += 1
+            if enc.count >= 2:
+                self.residual = enc.residual
+                message = enc.message
+            else:  # too small to send: it stays in the residual
+                message = _empty_message(self.n, t)
+            total = np.zeros(self.n, np.float32)
+            if message[0] != EMPTY:
+                decode_into(message, total)
+            with self.lock:
+                self.applied.add((job.worker.address, self.step))
+                self.store[(job.worker.address, self.step)] = message
+            send(self.step, message)
+            nbytes += message.nbytes * len(peers)
+            self._drain_into(total)
+            state = self.apply_flat(state, jnp.asarray(total), opt, ms, rng)
+            self.residual = self.post.update(self.residual, t, self.step)
+            fmt = int(message[0])
+            sparsity = 1.0 / 16 if fmt == BITMAP else (enc.count / self.n if fmt != EMPTY else 0.0)
+            self.tstate = self.algo.update(self.tstate, sparsity)
+            if self.debug:
+                stats.append({"step": self.step, "threshold": float(t), "sparsity": enc.count / self.n,
+                              "format": ["empty", "sparse", "bitmap"][fmt], "bytes": int(message.nbytes),
+                              "residual_norm": float(np.linalg.norm(self.residual)),
+                              "update_to_threshold": float(np.abs(flat).mean() / t)})
+            losses.append(loss)
+            examples += len(ds)
+        job.state = state
+        losses = [float(x) for x in losses]
+        return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": examples, "last_step": self.step,
+                "bytes_sent": nbytes, "dense_bytes": 4 * self.n * len(peers) * len(losses),
+                "threshold": float(self.tstate.threshold), "stale_wait": stale_wait, "debug": stats}
+
+    def apply_pending(self, extra=()):
+        """Apply fetched and still pending messages (the round's sync); params only."""
+        for key, m in extra:
+            self.receive(key[0], key[1], m)
+        total = np.zeros(self.n, np.float32)
+        if self._drain_into(total):
+            self.job.state = self.add_flat(self.job.state, jnp.asarray(total))

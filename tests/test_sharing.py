@@ -1,0 +1,115 @@
+"""Gradient sharing end to end on a real LocalCluster (worker processes)."""
+
+import os
+import signal
+import threading
+
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, accuracy
+from distributed import Client
+
+import dlspark
+from dlspark import AdaptiveThreshold, DistributedTrainer, FixedThreshold, GradientSharing
+from dlspark.cluster import local_cluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client2():
+    with local_cluster(2) as cluster, Client(cluster) as client:
+        yield client
+
+
+def _net(make_net):
+    return make_net(MLP(hidden=128), updater=optax.adam(3e-3))
+
+
+def _master(**kw):
+    kw.setdefault("batch_size_per_worker", 16)
+    kw.setdefault("threshold_algorithm", AdaptiveThreshold(initial=1e-2))
+    return GradientSharing(**kw)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match=r"mesh must be one of \('plain',\)"):
+        GradientSharing(mesh="ring")
+    with pytest.raises(TypeError, match="threshold_algorithm must be AdaptiveThreshold"):
+        GradientSharing(threshold_algorithm=0.1)
+    with pytest.raises(ValueError, match="max_staleness must be an integer >= 0"):
+        GradientSharing(max_staleness=-1)
+    g = GradientSharing()
+    assert (g.batch_size_per_worker, g.worker_prefetch_num_batches, g.training_approach, g.mesh) == (32, 2, "export", "plain")
+    assert g.threshold_algorithm == AdaptiveThreshold() and g.residual_post_processor.frequency == 5
+
+
+def test_two_workers_reach_95_percent_with_a_fiftieth_of_dense_bytes(client2, make_net, digits):
+    tr, te = digits
+    net = _net(make_net)
+    trainer = DistributedTrainer(client2, net, _master(), progress=False)
+    trainer.fit(tr, epochs=10)
+    assert accuracy(net, te) >= 0.95
+    comm = trainer.communication
+    assert comm["bytes_sent"] > 0
+    assert comm["bytes_sent"] * 50 <= comm["dense_bytes"], comm
+    # replicas applied the same messages: they agree up to float summation order
+    assert trainer.replica_divergence is not None and trainer.replica_divergence < 1e-5
+    # the score is tracked, round by round
+    losses = [l for _, _, l in trainer.loss_history]
+    assert losses[-1] < losses[0] / 5
+
+
+def test_encoding_debug_and_threshold_carry_over(client2, make_net, digits):
+    tr, _ = digits
+    trainer = DistributedTrainer(client2, _net(make_net), _master(encoding_debug=True), progress=False)
+    trainer.fit(tr[:640])
+    first = trainer.threshold_state
+    assert first is not None and first.threshold != pytest.approx(1e-2)
+    trainer.fit(tr[:640])
+    dbg = [d for s in trainer.last_fit_stats for steps in s["encoding_debug"].values() for d in steps]
+    assert {"threshold", "sparsity", "format", "bytes", "residual_norm", "update_to_threshold"} <= set(dbg[0])
+    assert {d["format"] for d in dbg} <= {"sparse", "bitmap", "empty"}
+    # the second fit starts where the first left its (reduced) threshold
+    starts = [steps[0]["threshold"] for steps in trainer.last_fit_stats[0]["encoding_debug"].values()]
+    assert starts == pytest.approx([first.threshold] * len(starts))
+
+
+def test_fixed_threshold_sends_exactly_the_crossing_elements(client2, make_net, digits):
+    tr, _ = digits
+    trainer = DistributedTrainer(client2, _net(make_net), _master(threshold_algorithm=FixedThreshold(5e-3),
+                                                                  encoding_debug=True), progress=False)
+    trainer.fit(tr[:320])
+    dbg = [d for s in trainer.last_fit_stats for steps in s["encoding_debug"].values() for d in steps]
+    assert all(d["threshold"] == pytest.approx(5e-3) for d in dbg)
+    for d in dbg:
+        if d["format"] == "sparse":
+            assert d["bytes"] == 16 + 4 * round(d["sparsity"] * trainer.network.num_params)
+
+
+def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make_net, digits):
+    tr, te = digits
+    pids = client2.run(os.getpid)
+    victim = sorted(pids)[1]
+    killed = threading.Event()
+
+    def on_round(stat):
+        if stat["round"] == 3 and not killed.is_set():
+            killed.set()
+            os.kill(pids[victim], signal.SIGKILL)
+
+    net = _net(make_net)
+    trainer = DistributedTrainer(client2, net, _master(steps_per_round=8), progress=False)
+    trainer.fit(tr, epochs=10, callbacks=[on_round])
+    assert killed.is_set()
+    n_batches = int(np.ceil(len(tr) / 16))
+    per_epoch = {}
+    for s in trainer.last_fit_stats:
+        per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
+    assert per_epoch == {e: n_batches for e in range(10)}
+    workers = [s["workers"] for s in trainer.last_fit_stats if s["round"] > 3]
+    assert min(workers) == 1 and workers[-1] == 2  # ran with the survivor, then with the restarted worker
+    assert trainer.replica_divergence < 1e-5
+    assert accuracy(net, te) >= 0.93
+    client2.wait_for_workers(2, timeout=60)
