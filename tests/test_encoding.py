@@ -47,7 +47,9 @@ def test_format_is_the_smaller_message_and_header_matches(r, t):
     assert info["length"] == r.size and info["count"] == enc.count
     assert info["threshold"] == np.float32(t)
     sparse_words, bitmap = enc.count, bitmap_words(r.size)
-    if enc.count > r.size / 16:
+    if enc.count == 0:
+        assert info["format"] == 0 and enc.message.size == HEADER_WORDS
+    elif enc.count > r.size / 16:
         assert info["format"] == BITMAP and enc.message.size == HEADER_WORDS + bitmap
         assert bitmap <= sparse_words
     else:
@@ -112,3 +114,18 @@ def test_residual_clipping_every_n_iterations():
     np.testing.assert_array_equal(clip.update(r.copy(), 0.1, 4), r)
     np.testing.assert_allclose(clip.update(r.copy(), 0.1, 5), [0.5, -0.5, 0.01])
     np.testing.assert_array_equal(NoResidualPostProcessing().update(r.copy(), 0.1, 5), r)
+
+
+def test_in_place_with_scratch_equals_pure_and_min_count_leaves_residual_alone():
+    r = np.random.default_rng(1).normal(0, 1, 5000).astype(np.float32)
+    pure = threshold_encode(r, 1.5)
+    work = r.copy()
+    scratch = (np.empty_like(r), np.empty(r.size, bool))
+    inplace = threshold_encode(work, 1.5, out=work, scratch=scratch)
+    np.testing.assert_array_equal(pure.message, inplace.message)
+    np.testing.assert_array_equal(work, pure.residual)
+    one = np.zeros(100, np.float32)
+    one[7] = 3.0
+    enc = threshold_encode(one, 1.0, out=one, min_count=2)
+    assert enc.format == 0 and enc.count == 0 and one[7] == 3.0
+    assert not decode(enc.message).any()

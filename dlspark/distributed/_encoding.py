@@ -8,7 +8,8 @@ threshold bits]`` followed by the payload:
 - ``SPARSE``: ``count`` int32 words, each ``+(i+1)`` or ``-(i+1)`` for an
   element ``i`` that moved by ``+threshold`` or ``-threshold``;
 - ``BITMAP``: ``ceil(length / 16)`` words, 2 bits per element (bit ``2k`` =
-  the element moved, bit ``2k+1`` = it moved down).
+  the element moved, bit ``2k+1`` = it moved down);
+- ``EMPTY``: no payload (a step too small to send; it still reports progress).
 
 The encoder picks the smaller payload, as DL4J does: bitmap as soon as the
 sparse message would exceed ``length / 16`` words.
@@ -20,10 +21,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SPARSE", "BITMAP", "HEADER_WORDS", "Encoded", "threshold_encode", "decode", "decode_into",
+__all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "Encoded", "threshold_encode", "decode", "decode_into",
            "message_info", "bitmap_words"]
 
-SPARSE, BITMAP = 1, 2
+EMPTY, SPARSE, BITMAP = 0, 1, 2
 HEADER_WORDS = 4
 _SHIFTS = np.arange(0, 32, 2, dtype=np.uint32)
 
@@ -56,52 +57,70 @@ def message_info(message: np.ndarray) -> dict:
             "threshold": float(message[3:4].view(np.float32)[0]), "bytes": int(message.nbytes)}
 
 
-def threshold_encode(residual: np.ndarray, threshold: float) -> Encoded:
+def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray | None = None,
+                     scratch: tuple | None = None, min_count: int = 0) -> Encoded:
     """Move every element with ``|r| >= threshold`` by ``threshold`` into a message.
 
     ``decode(message) + residual_out == residual`` holds exactly in float32.
+
+    Parameters
+    ----------
+    residual : float32 vector
+    threshold : float
+    out : float32 vector, optional
+        Where the new residual goes; pass ``residual`` itself to update it in
+        place (the worker's hot path: no full-size copy).
+    scratch : (float32 vector, bool vector), optional
+        Reusable buffers of the residual's length, to avoid allocating per call.
+    min_count : int
+        With fewer moved elements than this, nothing moves: the message is
+        ``EMPTY`` and the residual is left as it is (DL4J sends no message of
+        fewer than 2 elements).
     """
-    r = np.asarray(residual, np.float32)
-    if r.ndim != 1:
-        raise ValueError(f"threshold_encode takes a flat vector, got shape {r.shape}")
+    r = np.asarray(residual)
+    if r.ndim != 1 or r.dtype != np.float32:
+        raise ValueError(f"threshold_encode takes a flat float32 vector, got shape {r.shape} and dtype {r.dtype}")
     t = np.float32(threshold)
     if not (np.isfinite(t) and t > 0):
         raise ValueError(f"threshold must be a positive finite number, got {threshold!r}")
     n = r.size
-    up = r >= t
-    down = r <= -t
-    moved = up | down
-    count = int(np.count_nonzero(moved))
-    q = np.where(up, t, np.where(down, -t, np.float32(0)))
-    out = r - q
-    # r - q is rounded, and adding q back rounds again: where that does not
-    # give r back bit for bit, step the residual by ulps toward the value that does.
+    absr, mask = scratch if scratch is not None else (np.empty(n, np.float32), np.empty(n, bool))
+    np.abs(r, out=absr)
+    np.greater_equal(absr, t, out=mask)
+    idx = np.flatnonzero(mask)
+    vals = r[idx]
+    q = np.where(vals > 0, t, -t).astype(np.float32)
+    new = vals - q
+    # vals - q is rounded, and adding q back rounds again: where that does not
+    # give the value back bit for bit, step the residual by ulps toward one that does.
     for _ in range(4):
-        back = out + q
-        bad = back != r
+        back = new + q
+        bad = back != vals
         if not bad.any():
             break
-        out[bad] = np.nextafter(out[bad], np.where(back[bad] < r[bad], np.inf, -np.inf).astype(np.float32))
+        new[bad] = np.nextafter(new[bad], np.where(back[bad] < vals[bad], np.inf, -np.inf).astype(np.float32))
     else:
         # Rarely (|r| > 2t, with round-half-even ties on both sides) no float32
-        # residual gives r back: such an element stays whole in the residual
-        # this step, and moves once later updates change it.
-        bad = (out + q) != r
-        out[bad], q[bad] = r[bad], 0
-        up &= ~bad
-        down &= ~bad
-        moved = up | down
-        count = int(np.count_nonzero(moved))
+        # residual gives r back: such an element stays whole this step, and
+        # moves once later updates change it.
+        keep = (new + q) == vals
+        idx, q, new = idx[keep], q[keep], new[keep]
+    count = int(idx.size)
+    if out is None:
+        out = r.copy()
+    elif out is not r:
+        np.copyto(out, r)
+    if count < max(min_count, 1):
+        return Encoded(_header(EMPTY, 0, n, t), out, 0)
+    out[idx] = new
     if count > n / 16:
-        codes = moved.astype(np.uint32) | (down.astype(np.uint32) << 1)
-        pad = bitmap_words(n) * 16 - n
-        if pad:
-            codes = np.concatenate([codes, np.zeros(pad, np.uint32)])
+        codes = np.zeros(bitmap_words(n) * 16, np.uint32)
+        codes[idx] = np.where(q < 0, np.uint32(3), np.uint32(1))
         words = np.bitwise_or.reduce(codes.reshape(-1, 16) << _SHIFTS, axis=1).view(np.int32)
         return Encoded(np.concatenate([_header(BITMAP, count, n, t), words]), out, count)
-    idx = np.flatnonzero(moved).astype(np.int32) + 1
-    idx[down[idx - 1]] *= -1
-    return Encoded(np.concatenate([_header(SPARSE, count, n, t), idx]), out, count)
+    signed = idx.astype(np.int32) + 1
+    signed[q < 0] *= -1
+    return Encoded(np.concatenate([_header(SPARSE, count, n, t), signed]), out, count)
 
 
 def decode_into(message: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -111,6 +130,8 @@ def decode_into(message: np.ndarray, target: np.ndarray) -> np.ndarray:
         raise ValueError(f"message of length {info['length']} cannot be applied to a vector of shape {target.shape}")
     t = np.float32(info["threshold"])
     payload = message[HEADER_WORDS:]
+    if info["format"] == EMPTY:
+        return target
     if info["format"] == SPARSE:
         pos = payload[payload > 0] - 1
         neg = -payload[payload < 0] - 1

@@ -16,18 +16,11 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
-from ._encoding import BITMAP, decode_into, threshold_encode
+from ._encoding import BITMAP, EMPTY, decode_into, threshold_encode
 
-__all__ = ["SharingState", "EMPTY"]
+__all__ = ["SharingState"]
 
-#: Format 0: a progress note with no update (a step whose message would carry < 2 elements).
-EMPTY = 0
 _STALE_TIMEOUT = 5.0
-
-
-def _empty_message(length, threshold):
-    t = np.array([threshold], np.float32).view(np.int32)[0]
-    return np.array([EMPTY, 0, length, t], np.int32)
 
 
 class SharingState:
@@ -42,6 +35,7 @@ class SharingState:
         flat, self.unravel = ravel_pytree(job.state.params)
         self.n = int(flat.size)
         self.residual = np.zeros(self.n, np.float32)
+        self.scratch = (np.empty(self.n, np.float32), np.empty(self.n, bool))
         self.tstate = job.spec.get("threshold_state") or self.algo.init()
         self.step = 0  # this worker's message counter
         self.lock = threading.Condition()
@@ -146,13 +140,10 @@ class SharingState:
                 raise FloatingPointError(f"non-finite update at worker step {self.step}; lower the learning rate")
             self.residual += flat
             t = self.tstate.threshold
-            enc = threshold_encode(self.residual, t)
+            # In place; a step that would move fewer than 2 elements sends an EMPTY note.
+            enc = threshold_encode(self.residual, t, out=self.residual, scratch=self.scratch, min_count=2)
             self.step += 1
-            if enc.count >= 2:
-                self.residual = enc.residual
-                message = enc.message
-            else:  # too small to send: it stays in the residual
-                message = _empty_message(self.n, t)
+            message = enc.message
             total = np.zeros(self.n, np.float32)
             if message[0] != EMPTY:
                 decode_into(message, total)

@@ -1,8 +1,8 @@
-"""Per-worker efficiency of parameter averaging on a 2-worker LocalCluster.
+"""Per-worker efficiency of parameter averaging and gradient sharing on a 2-worker LocalCluster.
 
 efficiency = (steps/s of one worker inside the job) / (steps/s of the same
 jitted step in a plain process pinned to one core). Both sides are measured
-in the same run. Print it with ``python benchmarks/bench_averaging.py``.
+in the same run. Print it with ``python benchmarks/bench_efficiency.py [averaging|sharing] [mlp|cnn]``.
 """
 
 import os
@@ -18,7 +18,7 @@ BATCH = {"mlp": 160, "cnn": 16}
 FREQ = 5
 
 
-def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export"):
+def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export", algorithm="averaging"):
     from distributed import Client
 
     import dlspark
@@ -33,8 +33,12 @@ def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export"):
     with local_cluster(workers) as cluster, Client(cluster) as client:
         client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers))
         net = make_network(kind)
-        master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq,
-                                            training_approach=approach)
+        if algorithm == "averaging":
+            master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq,
+                                                training_approach=approach)
+        else:
+            master = dlspark.GradientSharing(batch_size_per_worker=batch, training_approach=approach,
+                                             steps_per_round=4 * freq)
         trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
         trainer.fit(data)
         stats = trainer.last_fit_stats[2:]  # rounds 1-2 include compilation
@@ -47,7 +51,7 @@ def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export"):
     job_rate = steps / wall
     after, cpu = plain_steps_per_second(kind, batch)
     plain_rate = (before + after) / 2
-    return {"network": kind, "params": net.num_params, "job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": job_rate / plain_rate,
+    return {"algorithm": algorithm, "network": kind, "params": net.num_params, "job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": job_rate / plain_rate,
             "plain_step_ms": 1000 / plain_rate, "plain_drift": after / before, "plain_cpu_per_wall": cpu,
             "fit_share": fit / wall, "avg_share": avg / wall, "fetch_share": fetch / wall}
 
@@ -66,7 +70,14 @@ class ParameterAveragingEfficiency:
         return measure(kind)["efficiency"]
 
 
+class GradientSharingEfficiency(ParameterAveragingEfficiency):
+    def track_efficiency_2_workers(self, kind):
+        return measure(kind, algorithm="sharing")["efficiency"]
+
+
 if __name__ == "__main__":
-    for kind in sys.argv[1:] or ["mlp", "cnn"]:
-        r = measure(kind)
+    algorithms = [a for a in sys.argv[1:] if a in ("averaging", "sharing")] or ["averaging", "sharing"]
+    kinds = [a for a in sys.argv[1:] if a in ("mlp", "cnn")] or ["mlp", "cnn"]
+    for algorithm, kind in [(a, k) for a in algorithms for k in kinds]:
+        r = measure(kind, algorithm=algorithm)
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))

@@ -1,0 +1,59 @@
+"""Threshold encoding throughput next to a memory copy of the same bytes.
+
+The figure is the ratio: encoding elements/s over copy elements/s, both
+measured here in the same process on the same vector. Print it with
+``python benchmarks/bench_encoding.py``.
+"""
+
+import timeit
+
+import numpy as np
+
+from dlspark.distributed._encoding import decode, threshold_encode
+
+N = 4_000_000
+
+
+def _vector(sparsity, n=N):
+    rng = np.random.default_rng(0)
+    r = rng.normal(0, 1, n).astype(np.float32)
+    t = float(np.quantile(np.abs(r), 1 - sparsity))
+    return r, t
+
+
+def _best(fn, repeat=7):
+    return min(timeit.repeat(fn, number=1, repeat=repeat))
+
+
+def measure(sparsity, n=N):
+    r, t = _vector(sparsity, n)
+    dst = np.empty_like(r)
+    copy = _best(lambda: np.copyto(dst, r))
+    # The worker's hot path: the residual is updated in place, scratch buffers reused.
+    work, scratch = r.copy(), (np.empty_like(r), np.empty(n, bool))
+    enc = _best(lambda: threshold_encode(work, t, out=work, scratch=scratch))
+    pure = _best(lambda: threshold_encode(r, t))
+    msg = threshold_encode(r, t).message
+    dec = _best(lambda: decode(msg))
+    return {"sparsity": sparsity, "encode_Melem_s": n / enc / 1e6, "copy_Melem_s": n / copy / 1e6,
+            "encode_over_copy": copy / enc, "pure_encode_over_copy": copy / pure, "decode_over_copy": copy / dec, "format": int(msg[0])}
+
+
+class Encoding:
+    """asv: encoding and decoding speed as a fraction of memory-copy speed."""
+
+    params = [1e-4, 1e-3, 1e-2, 1e-1]
+    param_names = ["sparsity"]
+    unit = "ratio"
+
+    def track_encode_over_copy(self, sparsity):
+        return measure(sparsity)["encode_over_copy"]
+
+    def track_decode_over_copy(self, sparsity):
+        return measure(sparsity)["decode_over_copy"]
+
+
+if __name__ == "__main__":
+    for s in Encoding.params:
+        r = measure(s)
+        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
