@@ -5,7 +5,7 @@ The public surface is re-exported here; submodules ``dlspark.data``,
 hold the rest.
 """
 
-from . import data, datasets, errors, io, losses
+from . import data, datasets, errors, evaluation, io, losses
 from .data import DataSet, MultiDataSet
 from .model import Model
 from .distributed import (AdaptiveThreshold, FixedThreshold, GradientSharing, NoResidualPostProcessing,
@@ -32,6 +32,7 @@ __all__ = [
     "data",
     "datasets",
     "errors",
+    "evaluation",
     "io",
     "losses",
 ]

@@ -3,7 +3,7 @@ import importlib
 import pytest
 
 MODULES = ["dlspark", "dlspark.data", "dlspark.datasets", "dlspark.losses", "dlspark.io", "dlspark.errors",
-           "dlspark.checkpoint", "dlspark.compat"]
+           "dlspark.checkpoint", "dlspark.compat", "dlspark.distributed", "dlspark.evaluation"]
 
 
 @pytest.mark.parametrize("modname", MODULES)
