@@ -10,6 +10,7 @@ import cloudpickle
 import fsspec
 import numpy as np
 
+from . import _inference as _inf
 from .checkpoint import read_checkpoint_meta, state_from_bytes, state_to_bytes
 from .data import DataSet, MultiDataSet, as_dataset, list_minibatches, save_dataset
 from .distributed._masters import GradientSharing, ParameterAveraging
@@ -86,7 +87,8 @@ class DistributedTrainer:
     ...     trainer.network.output(x)
     """
 
-    def __init__(self, client=None, network: Network | None = None, master=None, *, progress: bool = True):
+    def __init__(self, client=None, network: Network | None = None, master=None, *, progress: bool = True,
+                 eval_num_workers: int = 1, eval_batch_size: int = 64):
         if network is None or not isinstance(network, Network):
             raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__}")
         if master is not None and not isinstance(master, (ParameterAveraging, GradientSharing)):
@@ -103,6 +105,12 @@ class DistributedTrainer:
             self._cluster = local_cluster()
             client = Client(self._cluster)
             pin = _cpu_only()
+        if isinstance(eval_num_workers, bool) or not isinstance(eval_num_workers, int) or eval_num_workers < 1:
+            raise ValueError(f"eval_num_workers must be an integer >= 1, got {eval_num_workers!r}")
+        if isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int) or eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size must be an integer >= 1, got {eval_batch_size!r}")
+        self.eval_num_workers = eval_num_workers
+        self.eval_batch_size = eval_batch_size
         self.client = client
         self.network = network
         self.master = master
@@ -392,6 +400,180 @@ class DistributedTrainer:
             for a, b in zip(ref, jax.tree_util.tree_leaves(other.params)):
                 worst = max(worst, float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
         self.replica_divergence = worst
+
+    # -- evaluation and inference ------------------------------------------------
+    def _network_future(self):
+        token = uuid.uuid4().hex
+        return self.client.scatter(_inf.network_blob(self.network, token), broadcast=True, hash=False)
+
+    def _eval_parts(self, data, loader, storage_options):
+        """Split evaluation input into parts: ``(kind, payload)`` with kind "refs" or "delayed"."""
+        n_parts = max(1, 2 * len(self._workers()))
+        if isinstance(data, str) or (isinstance(data, list) and data and all(isinstance(d, str) for d in data)):
+            for p in [data] if isinstance(data, str) else data:
+                _reject_memory(p, "path")
+            refs = list_minibatches(data, **(storage_options or {}))
+            return "refs", [refs[i::n_parts] for i in range(min(n_parts, len(refs)))]
+        if isinstance(data, tuple) and len(data) == 2 and all(_is_dask_collection(d) for d in data):
+            import dask
+
+            x, y = data
+            if x.chunks[0] != y.chunks[0]:
+                y = y.rechunk({0: x.chunks[0]})
+            return "delayed", [[dask.delayed(DataSet)(a, b)] for a, b in zip(x.to_delayed().ravel(), y.to_delayed().ravel())]
+        if _is_dask_collection(data):
+            return "delayed", list(data.to_delayed())
+        if isinstance(data, list):
+            if not data or not all(isinstance(d, (DataSet, MultiDataSet)) for d in data):
+                raise TypeError("a list given for evaluation must hold DataSets or file URLs")
+            items = data
+        else:
+            ds = as_dataset(data, "data")
+            step = max(1, -(-len(ds) // n_parts))
+            items = [ds[i:i + step] for i in range(0, len(ds), step)]
+        parts = [items[i::n_parts] for i in range(min(n_parts, len(items)))]
+        return "refs", [self.client.scatter(p, hash=False) for p in parts]
+
+    def do_evaluation(self, data, batch_size: int | None = None, *evaluations, loader=None,
+                      storage_options: dict | None = None):
+        """Fill several evaluations in one pass over ``data`` (each minibatch is read once).
+
+        ``data`` is what ``fit`` or ``fit_paths`` take. Each worker evaluates
+        its share; the partial evaluations are merged by a tree reduction on
+        the workers. Returns the filled evaluations, in order.
+        """
+        from .evaluation import BaseEvaluation
+
+        if not evaluations:
+            raise TypeError("do_evaluation needs at least one evaluation, e.g. do_evaluation(data, 64, Evaluation())")
+        bad = [type(e).__name__ for e in evaluations if not isinstance(e, BaseEvaluation)]
+        if bad:
+            raise TypeError(f"evaluations must be dlspark.evaluation objects, got {bad[0]}")
+        bs = batch_size or self.eval_batch_size
+        kind, parts = self._eval_parts(data, loader, storage_options)
+        net = self._network_future()
+        client = self.client
+        if kind == "refs":
+            futures = [client.submit(_inf.evaluate_part, net, p, list(evaluations), bs, loader, storage_options,
+                                     self.eval_num_workers, pure=False) for p in parts]
+        else:
+            import dask
+
+            futures = client.compute([dask.delayed(_inf.evaluate_part)(net, p, list(evaluations), bs, loader,
+                                                                        storage_options, self.eval_num_workers)
+                                      for p in parts])
+        while len(futures) > 1:
+            futures = [client.submit(_inf.merge_evaluations, futures[i], futures[i + 1], pure=False)
+                       if i + 1 < len(futures) else futures[i] for i in range(0, len(futures), 2)]
+        merged = futures[0].result()
+        for target, result in zip(evaluations, merged):
+            target.__dict__.update(result.__dict__)
+        return list(evaluations)
+
+    def evaluate(self, data, batch_size: int | None = None, **kw):
+        """Classification :class:`~dlspark.evaluation.Evaluation` over ``data`` (distributed)."""
+        from .evaluation import Evaluation
+
+        return self.do_evaluation(data, batch_size, Evaluation(), **kw)[0]
+
+    def evaluate_roc(self, data, threshold_steps: int = 0, batch_size: int | None = None, **kw):
+        from .evaluation import ROC
+
+        return self.do_evaluation(data, batch_size, ROC(threshold_steps), **kw)[0]
+
+    def evaluate_roc_multiclass(self, data, threshold_steps: int = 0, batch_size: int | None = None, **kw):
+        from .evaluation import ROCMultiClass
+
+        return self.do_evaluation(data, batch_size, ROCMultiClass(threshold_steps), **kw)[0]
+
+    def evaluate_regression(self, data, batch_size: int | None = None, **kw):
+        from .evaluation import RegressionEvaluation
+
+        return self.do_evaluation(data, batch_size, RegressionEvaluation(), **kw)[0]
+
+    def predict_with_keys(self, keyed_features, batch_size: int = 64, features_mask=None):
+        """Keyed inference (DL4J's ``feedForwardWithKey``).
+
+        ``keyed_features`` is a dict, a list of ``(key, array)`` pairs, or a
+        dask bag of pairs; the result is the same kind, keyed outputs (a tuple
+        per key for multi-output networks). Keys never enter the computation;
+        examples are stacked into batches of ``batch_size`` on the workers.
+        ``features_mask`` maps keys to per-example masks.
+        """
+        client = self.client
+        net = self._network_future()
+        if _is_dask_collection(keyed_features):
+            import dask.bag as db
+
+            return db.from_delayed([
+                __import__("dask").delayed(_inf.predict_part)(net, part, batch_size)
+                for part in keyed_features.to_delayed()])
+        if isinstance(keyed_features, dict):
+            items, as_dict = list(keyed_features.items()), True
+        elif isinstance(keyed_features, list):
+            items, as_dict = keyed_features, False
+            keys = [k for k, _ in items]
+            if len(set(keys)) != len(keys):
+                seen, dup = set(), None
+                for k in keys:
+                    if k in seen:
+                        dup = k
+                        break
+                    seen.add(k)
+                raise ValueError(f"duplicate key {dup!r} in keyed features; keys must be unique")
+        else:
+            raise TypeError(f"keyed features must be a dict, a list of (key, array) pairs or a dask bag, got {type(keyed_features).__name__}")
+        if not items:
+            return {} if as_dict else []
+        n_parts = max(1, 2 * len(self._workers()))
+        step = -(-len(items) // n_parts)
+        chunks = [items[i:i + step] for i in range(0, len(items), step)]
+        masks = None
+        if features_mask is not None:
+            masks = [[features_mask[k] for k, _ in c] for c in chunks]
+        futures = [client.submit(_inf.predict_part, net, c, batch_size, None if masks is None else masks[i], pure=False)
+                   for i, c in enumerate(client.scatter(chunks, hash=False))]
+        out = [pair for part in client.gather(futures) for pair in part]
+        return dict(out) if as_dict else out
+
+    def score_examples(self, data, include_regularization: bool = False, batch_size: int | None = None):
+        """Per-example loss (DL4J's ``scoreExamples``).
+
+        ``data`` is a DataSet (returns an array in example order) or keyed
+        examples: a dict or list of ``(key, DataSet)`` pairs (returns the same
+        kind, keyed). dlspark networks carry no separate regularization terms
+        (weight decay lives in the optax updater), so ``include_regularization``
+        changes nothing.
+        """
+        bs = batch_size or self.eval_batch_size
+        if isinstance(data, dict) or (isinstance(data, list) and data and isinstance(data[0], tuple)
+                                       and not isinstance(data[0][1], (np.ndarray,))):
+            items = list(data.items()) if isinstance(data, dict) else list(data)
+            keys = [k for k, _ in items]
+            if len(set(keys)) != len(keys):
+                raise ValueError("duplicate keys in keyed examples; keys must be unique")
+            merged = type(as_dataset(items[0][1])).merge([as_dataset(d) for _, d in items])
+            sizes = [len(as_dataset(d)) for _, d in items]
+            losses = self.score_examples(merged, include_regularization, bs)
+            bounds = np.cumsum([0] + sizes)
+            vals = [losses[a:b] if b - a > 1 else float(losses[a]) for a, b in zip(bounds[:-1], bounds[1:])]
+            return dict(zip(keys, vals)) if isinstance(data, dict) else list(zip(keys, vals))
+        if isinstance(data, list) and data and all(isinstance(d, (DataSet, MultiDataSet)) for d in data):
+            ds = type(data[0]).merge(data)
+        else:
+            ds = as_dataset(data, "score_examples' data")
+        net = self._network_future()
+        # contiguous parts, so that concatenation keeps example order
+        n_parts = max(1, 2 * len(self._workers()))
+        step = max(1, -(-len(ds) // n_parts))
+        pieces = self.client.scatter([[ds[i:i + step]] for i in range(0, len(ds), step)], hash=False)
+        futures = [self.client.submit(_inf.score_part, net, p, bs, pure=False) for p in pieces]
+        return np.concatenate(self.client.gather(futures))
+
+    def calculate_score(self, data, average: bool = True, batch_size: int | None = None) -> float:
+        """Total (or, with ``average``, mean per example) loss over ``data`` (DL4J's ``calculateScore``)."""
+        losses = self.score_examples(data, batch_size=batch_size)
+        return float(losses.mean() if average else losses.sum())
 
     def _progress_bar(self, progress, total):
         show = self.progress if progress is None else progress

@@ -1,0 +1,112 @@
+"""Worker-side functions for distributed evaluation, keyed inference and scoring.
+
+Module-level and picklable; each worker process rebuilds (and compiles) a
+network once per token and reuses it for every task that names the token.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import cloudpickle
+import numpy as np
+
+__all__ = ["network_blob", "evaluate_part", "predict_part", "score_part", "merge_evaluations"]
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+_MAX_CACHED = 4
+
+
+def network_blob(network, token):
+    """What a worker needs to rebuild ``network``: its definition and state, pickled once."""
+    from .checkpoint import state_to_bytes
+
+    return cloudpickle.dumps({"token": token, "definition": network.definition(),
+                              "state": state_to_bytes(network.state)})
+
+
+def _network(blob):
+    d = cloudpickle.loads(blob) if isinstance(blob, (bytes, bytearray)) else blob
+    with _LOCK:
+        net = _CACHE.get(d["token"])
+        if net is None:
+            from .checkpoint import state_from_bytes
+            from .network import Network
+
+            net = Network.from_definition(d["definition"])
+            net.state = state_from_bytes(d["state"], net.state)
+            if len(_CACHE) >= _MAX_CACHED:
+                _CACHE.pop(next(iter(_CACHE)))
+            _CACHE[d["token"]] = net
+    return net
+
+
+def _load(ref, loader, storage_options):
+    from .data import as_dataset, load_minibatch
+
+    if isinstance(ref, str):
+        if loader is not None:
+            return as_dataset(loader(ref), f"the loader's result for {ref!r}")
+        return load_minibatch(ref, **(storage_options or {}))
+    return as_dataset(ref)
+
+
+def _batches(ds, batch_size):
+    return ds.batches(batch_size) if batch_size and len(ds) > batch_size else [ds]
+
+
+def evaluate_part(blob, refs, evaluations, batch_size, loader=None, storage_options=None, threads=1):
+    """Fill copies of ``evaluations`` from the minibatches ``refs``; each file is read once."""
+    net = _network(blob)
+    evals = [copy.deepcopy(e) for e in evaluations]
+    lock = threading.Lock()
+
+    def one(ref):
+        ds = _load(ref, loader, storage_options)
+        for b in _batches(ds, batch_size):
+            _, labels, fmask, lmask = b.jit_batch()
+            out = net.output(b.features, features_mask=fmask)
+            if isinstance(out, tuple):  # multi-output networks are evaluated on their first output
+                out, labels, lmask = out[0], labels[0], lmask[0]
+            with lock:
+                for e in evals:
+                    e.update(labels, out, lmask)
+
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(one, refs))
+    else:
+        for r in refs:
+            one(r)
+    return evals
+
+
+def merge_evaluations(a, b):
+    """Merge two lists of partial evaluations, element by element."""
+    return [x.merge(y) for x, y in zip(a, b)]
+
+
+def predict_part(blob, items, batch_size, masks=None):
+    """``[(key, features)] -> [(key, outputs)]``: examples are stacked into batches of ``batch_size``."""
+    import jax
+
+    net = _network(blob)
+    if not items:
+        return []
+    keys = [k for k, _ in items]
+    feats = [f for _, f in items]
+    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *feats)
+    fmask = None if masks is None else np.stack(masks)
+    out = net.output(stacked, batch_size=batch_size, features_mask=fmask)
+    if isinstance(out, tuple):
+        return [(k, tuple(o[i] for o in out)) for i, k in enumerate(keys)]
+    return [(k, out[i]) for i, k in enumerate(keys)]
+
+
+def score_part(blob, refs, batch_size, loader=None, storage_options=None):
+    """Per-example losses of the minibatches ``refs`` (in order)."""
+    net = _network(blob)
+    return np.concatenate([net.score_examples(_load(r, loader, storage_options), batch_size) for r in refs])
