@@ -89,21 +89,30 @@ def merge_evaluations(a, b):
     return [x.merge(y) for x, y in zip(a, b)]
 
 
-def predict_part(blob, items, batch_size, masks=None):
-    """``[(key, features)] -> [(key, outputs)]``: examples are stacked into batches of ``batch_size``."""
-    import jax
+def stack_examples(feats):
+    """Stack per-example arrays (or tuples of arrays) into one batch."""
+    if isinstance(feats[0], (tuple, list)):  # multi-input examples: stack each input
+        return tuple(np.stack(col) for col in zip(*feats))
+    return np.stack(feats)
 
-    net = _network(blob)
-    if not items:
-        return []
-    keys = [k for k, _ in items]
-    feats = [f for _, f in items]
-    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *feats)
-    fmask = None if masks is None else np.stack(masks)
-    out = net.output(stacked, batch_size=batch_size, features_mask=fmask)
+
+def predict_stacked(blob, stacked, batch_size, fmask=None):
+    """Outputs for a stacked block of examples (the keys stay with the caller)."""
+    return _network(blob).output(stacked, batch_size=batch_size, features_mask=fmask)
+
+
+def unstack_outputs(keys, out):
     if isinstance(out, tuple):
         return [(k, tuple(o[i] for o in out)) for i, k in enumerate(keys)]
     return [(k, out[i]) for i, k in enumerate(keys)]
+
+
+def predict_part(blob, items, batch_size):
+    """``[(key, features)] -> [(key, outputs)]`` (dask bag partitions)."""
+    if not items:
+        return []
+    keys = [k for k, _ in items]
+    return unstack_outputs(keys, predict_stacked(blob, stack_examples([f for _, f in items]), batch_size))
 
 
 def score_part(blob, refs, batch_size, loader=None, storage_options=None):

@@ -403,8 +403,16 @@ class DistributedTrainer:
 
     # -- evaluation and inference ------------------------------------------------
     def _network_future(self):
+        """The network as workers rebuild it, scattered once per state: the train state is an
+        immutable pytree replaced by every fit or restore, so its identity names the version,
+        and workers compile once per version, not once per call."""
+        cached = getattr(self, "_net_cache", None)
+        if cached is not None and cached[0] is self.network.state and cached[1] is self.network:
+            return cached[2]
         token = uuid.uuid4().hex
-        return self.client.scatter(_inf.network_blob(self.network, token), broadcast=True, hash=False)
+        future = self.client.scatter(_inf.network_blob(self.network, token), broadcast=True, hash=False)
+        self._net_cache = (self.network.state, self.network, future)
+        return future
 
     def _eval_parts(self, data, loader, storage_options):
         """Split evaluation input into parts: ``(kind, payload)`` with kind "refs" or "delayed"."""
@@ -528,12 +536,15 @@ class DistributedTrainer:
         n_parts = max(1, 2 * len(self._workers()))
         step = -(-len(items) // n_parts)
         chunks = [items[i:i + step] for i in range(0, len(items), step)]
-        masks = None
+        # Keys stay here; each worker gets one stacked block of examples and
+        # returns one block of outputs (no per-example Python objects on the wire).
+        blocks = [_inf.stack_examples([f for _, f in c]) for c in chunks]
+        masks = [None] * len(chunks)
         if features_mask is not None:
-            masks = [[features_mask[k] for k, _ in c] for c in chunks]
-        futures = [client.submit(_inf.predict_part, net, c, batch_size, None if masks is None else masks[i], pure=False)
-                   for i, c in enumerate(client.scatter(chunks, hash=False))]
-        out = [pair for part in client.gather(futures) for pair in part]
+            masks = [np.stack([np.asarray(features_mask[k]) for k, _ in c]) for c in chunks]
+        futures = [client.submit(_inf.predict_stacked, net, b, batch_size, m, pure=False)
+                   for b, m in zip(client.scatter(blocks, hash=False), masks)]
+        out = [pair for c, o in zip(chunks, client.gather(futures)) for pair in _inf.unstack_outputs([k for k, _ in c], o)]
         return dict(out) if as_dict else out
 
     def score_examples(self, data, include_regularization: bool = False, batch_size: int | None = None):
