@@ -88,7 +88,7 @@ def test_fixed_threshold_sends_exactly_the_crossing_elements(client2, make_net, 
             assert d["bytes"] == 16 + 4 * round(d["sparsity"] * trainer.network.num_params)
 
 
-def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make_net, digits):
+def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make_net, digits, tmp_path):
     tr, te = digits
     pids = client2.run(os.getpid)
     victim = sorted(pids)[1]
@@ -99,11 +99,18 @@ def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make
             killed.set()
             os.kill(pids[victim], signal.SIGKILL)
 
+    def slow_loader(url):
+        # slow rounds leave the nanny time to restart the killed worker mid-fit
+        import time
+
+        time.sleep(0.02)
+        return dlspark.data.load_minibatch(url)
+
+    n_batches = len(dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16))
     net = _net(make_net)
     trainer = DistributedTrainer(client2, net, _master(steps_per_round=8), progress=False)
-    trainer.fit(tr, epochs=10, callbacks=[on_round])
+    trainer.fit_paths(str(tmp_path / "mb"), epochs=10, loader=slow_loader, callbacks=[on_round])
     assert killed.is_set()
-    n_batches = int(np.ceil(len(tr) / 16))
     per_epoch = {}
     for s in trainer.last_fit_stats:
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]

@@ -23,6 +23,20 @@ __all__ = ["SharingState"]
 _STALE_TIMEOUT = 5.0
 
 
+def _sharing_functions(steps, unravel):
+    def flat_update(state, batch):
+        updates, opt, ms, rng, loss = steps.compute_update(state, batch)
+        return ravel_pytree(updates)[0], opt, ms, rng, loss
+
+    def apply_flat(state, flat, opt, ms, rng):
+        return steps.apply_update(state, unravel(flat), opt, ms, rng)
+
+    def add_flat(state, flat):
+        return state.replace(params=optax.apply_updates(state.params, unravel(flat)))
+
+    return jax.jit(flat_update), jax.jit(apply_flat, donate_argnums=(0,)), jax.jit(add_flat, donate_argnums=(0,))
+
+
 class SharingState:
     """Per-job gradient-sharing state of one worker."""
 
@@ -44,22 +58,12 @@ class SharingState:
         self.progress: dict = {}  # sender -> highest step seen
         self.gone: set = set()
         self.store: dict = {}  # (sender, step) -> message: everything seen this round, to serve peers that missed one
-        steps = job.net.steps
-        unravel = self.unravel
-
-        def flat_update(state, batch):
-            updates, opt, ms, rng, loss = steps.compute_update(state, batch)
-            return ravel_pytree(updates)[0], opt, ms, rng, loss
-
-        def apply_flat(state, flat, opt, ms, rng):
-            return steps.apply_update(state, unravel(flat), opt, ms, rng)
-
-        def add_flat(state, flat):
-            return state.replace(params=optax.apply_updates(state.params, unravel(flat)))
-
-        self.flat_update = jax.jit(flat_update)
-        self.apply_flat = jax.jit(apply_flat, donate_argnums=(0,))
-        self.add_flat = jax.jit(add_flat, donate_argnums=(0,))
+        # The jitted functions depend only on the network; keep them with it so
+        # that later fits of the same network do not compile again.
+        fns = getattr(job.net, "_sharing_fns", None)
+        if fns is None:
+            fns = job.net._sharing_fns = _sharing_functions(job.net.steps, self.unravel)
+        self.flat_update, self.apply_flat, self.add_flat = fns
 
     # -- inbox (event loop thread) -----------------------------------------------
     def receive(self, sender, step, message):

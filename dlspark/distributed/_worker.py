@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import queue
@@ -46,6 +47,23 @@ def pin_process(cores) -> None:
             os.sched_setaffinity(int(tid), cores)
         except OSError:  # a thread that ended meanwhile
             pass
+
+
+_NETWORKS: dict = {}
+_NETWORKS_LOCK = threading.Lock()
+
+
+def _cached_network(definition):
+    """The same definition across fits (a fit per epoch is common) reuses one Network,
+    and so its compiled steps: jobs compile once, and repeated jobs not again."""
+    key = hashlib.sha1(cloudpickle.dumps(definition)).hexdigest()
+    with _NETWORKS_LOCK:
+        net = _NETWORKS.get(key)
+        if net is None:
+            if len(_NETWORKS) >= 4:
+                _NETWORKS.pop(next(iter(_NETWORKS)))
+            net = _NETWORKS[key] = Network.from_definition(definition)
+    return net
 
 
 class _Prefetcher:
@@ -99,7 +117,7 @@ class _Job:
         self.worker = worker
         self.spec = spec
         self.master = spec["master"]
-        self.net = Network.from_definition(spec["definition"])
+        self.net = _cached_network(spec["definition"])
         state = state_from_bytes(state_bytes, self.net.state)
         if rank > 0:  # decorrelate dropout and the like across replicas
             state = state.replace(rng=jax.random.fold_in(state.rng, rank))
