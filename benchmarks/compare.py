@@ -41,7 +41,7 @@ def _datasets(names):
         out["digits"] = (tr, te, 0.95)
     if "synthetic" in names:
         full = dlspark.datasets.synthetic_classification(24_000, n_features=64, n_classes=10, noise=6.0, seed=1)
-        out["synthetic"] = (full[:20_000], full[20_000:], 0.80)
+        out["synthetic"] = (full[:20_000], full[20_000:], 0.70)
     return out
 
 
