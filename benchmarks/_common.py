@@ -75,3 +75,12 @@ def plain_steps_per_second(kind, batch_size, steps=60, core=0):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     rate, cpu_per_wall = map(float, out.stdout.split())
     return rate, cpu_per_wall
+
+
+def make_master(algorithm, batch, frequency=5, approach="export", **sharing):
+    """The master a benchmark uses: averaging every ``frequency`` steps, or gradient sharing
+    (``sharing`` holds GradientSharing's own options)."""
+    if algorithm == "averaging":
+        return dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=frequency,
+                                          training_approach=approach)
+    return dlspark.GradientSharing(batch_size_per_worker=batch, training_approach=approach, **sharing)

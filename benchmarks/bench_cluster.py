@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import make_data, make_network  # noqa: E402
+from _common import make_data, make_master, make_network  # noqa: E402
 
 
 def _fit(algorithm, kind="mlp", minibatches=80, batch=32):
@@ -20,11 +20,7 @@ def _fit(algorithm, kind="mlp", minibatches=80, batch=32):
     data = make_data(minibatches * batch, kind)
     with local_cluster(2) as cluster, Client(cluster) as client:
         net = make_network(kind)
-        if algorithm == "averaging":
-            master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=5)
-        else:
-            master = dlspark.GradientSharing(batch_size_per_worker=batch,
-                                             threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-3))
+        master = make_master(algorithm, batch, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-3))
         trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
         trainer.fit(data, epochs=2)
         stats = trainer.last_fit_stats

@@ -11,7 +11,7 @@ import timeit
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import make_data, make_network, plain_steps_per_second  # noqa: E402
+from _common import make_data, make_master, make_network, plain_steps_per_second  # noqa: E402
 
 #: network -> minibatch size giving a plain step of roughly 10-13 ms on one core here
 BATCH = {"mlp": 160, "cnn": 16}
@@ -33,12 +33,8 @@ def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export", al
     with local_cluster(workers) as cluster, Client(cluster) as client:
         client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers))
         net = make_network(kind)
-        if algorithm == "averaging":
-            master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq,
-                                                training_approach=approach)
-        else:
-            master = dlspark.GradientSharing(batch_size_per_worker=batch, training_approach=approach,
-                                             steps_per_round=4 * freq)
+        sharing = {"steps_per_round": 4 * freq} if algorithm == "sharing" else {}
+        master = make_master(algorithm, batch, freq, approach, **sharing)
         trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
         trainer.fit(data)
         stats = trainer.last_fit_stats[2:]  # rounds 1-2 include compilation

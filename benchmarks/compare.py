@@ -26,6 +26,8 @@ import platform
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_v] = "1"
 
@@ -98,12 +100,10 @@ def run_plain(tr, te, target, max_epochs):
 def run_dlspark(tr, te, target, max_epochs, algorithm, client):
     import dlspark
 
+    from _common import make_master
+
     net = _net(tr)
-    if algorithm == "averaging":
-        master = dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=5)
-    else:
-        master = dlspark.GradientSharing(batch_size_per_worker=BATCH,
-                                         threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2))
+    master = make_master(algorithm, BATCH, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2))
     trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
     steps = {"n": 0, "bytes": 0}
 

@@ -63,3 +63,58 @@ def tree_equal(a, b):
     return len(la) == len(lb) and all(
         np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
     )
+
+
+def _cluster_client(n):
+    from distributed import Client
+
+    from dlspark.cluster import local_cluster
+
+    with local_cluster(n) as cluster, Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client1():
+    """A real LocalCluster of one worker process (one per test module)."""
+    yield from _cluster_client(1)
+
+
+@pytest.fixture(scope="module")
+def client2():
+    """A real LocalCluster of two worker processes (one per test module)."""
+    yield from _cluster_client(2)
+
+
+def kill_at_round(client, round_no):
+    """A fit callback that SIGKILLs one worker process when ``round_no`` completes.
+
+    Returns ``(callback, event)``; the event is set once the kill happened.
+    """
+    import os
+    import signal
+    import threading
+
+    pids = client.run(os.getpid)
+    victim = sorted(pids)[1]
+    killed = threading.Event()
+
+    def on_round(stat):
+        if stat["round"] == round_no and not killed.is_set():
+            killed.set()
+            os.kill(pids[victim], signal.SIGKILL)
+
+    return on_round, killed
+
+
+def slow_loader(delay):
+    """A minibatch loader that sleeps ``delay`` s per file: slow rounds leave the nanny
+    time to restart a killed worker and let it rejoin while the fit is still running."""
+
+    def load(url):
+        import time
+
+        time.sleep(delay)
+        return dlspark.data.load_minibatch(url)
+
+    return load

@@ -6,7 +6,6 @@ import numpy as np
 import optax
 import pytest
 from conftest import MLP
-from distributed import Client
 
 import dlspark
 from dlspark import DataSet, DistributedTrainer, Network
@@ -15,12 +14,6 @@ from dlspark.evaluation import ROC, Evaluation, EvaluationCalibration, Regressio
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def client2():
-    from dlspark.cluster import local_cluster
-
-    with local_cluster(2) as cluster, Client(cluster) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

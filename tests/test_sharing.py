@@ -1,26 +1,16 @@
 """Gradient sharing end to end on a real LocalCluster (worker processes)."""
 
-import os
-import signal
-import threading
 
-import numpy as np
 import optax
 import pytest
-from conftest import MLP, accuracy
-from distributed import Client
+from conftest import MLP, accuracy, kill_at_round, slow_loader
 
 import dlspark
 from dlspark import AdaptiveThreshold, DistributedTrainer, FixedThreshold, GradientSharing
-from dlspark.cluster import local_cluster
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def client2():
-    with local_cluster(2) as cluster, Client(cluster) as client:
-        yield client
 
 
 def _net(make_net):
@@ -90,26 +80,11 @@ def test_fixed_threshold_sends_exactly_the_crossing_elements(client2, make_net, 
 
 def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make_net, digits, tmp_path):
     tr, te = digits
-    pids = client2.run(os.getpid)
-    victim = sorted(pids)[1]
-    killed = threading.Event()
-
-    def on_round(stat):
-        if stat["round"] == 3 and not killed.is_set():
-            killed.set()
-            os.kill(pids[victim], signal.SIGKILL)
-
-    def slow_loader(url):
-        # slow rounds leave the nanny time to restart the killed worker mid-fit
-        import time
-
-        time.sleep(0.02)
-        return dlspark.data.load_minibatch(url)
-
+    on_round, killed = kill_at_round(client2, 3)
     n_batches = len(dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16))
     net = _net(make_net)
     trainer = DistributedTrainer(client2, net, _master(steps_per_round=8), progress=False)
-    trainer.fit_paths(str(tmp_path / "mb"), epochs=10, loader=slow_loader, callbacks=[on_round])
+    trainer.fit_paths(str(tmp_path / "mb"), epochs=10, loader=slow_loader(0.02), callbacks=[on_round])
     assert killed.is_set()
     per_epoch = {}
     for s in trainer.last_fit_stats:

@@ -1,34 +1,21 @@
 """End-to-end tests of DistributedTrainer on real LocalClusters (worker processes)."""
 
-import os
-import signal
-import threading
 
 import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, accuracy
-from distributed import Client
+from conftest import MLP, accuracy, kill_at_round, slow_loader
 
 import dlspark
 from dlspark import DataSet, DistributedTrainer, ParameterAveraging
-from dlspark.cluster import local_cluster
 from dlspark.errors import CorruptMinibatchError
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def client2():
-    with local_cluster(2) as cluster, Client(cluster) as client:
-        yield client
 
 
-@pytest.fixture(scope="module")
-def client1():
-    with local_cluster(1) as cluster, Client(cluster) as client:
-        yield client
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
@@ -224,28 +211,12 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run(client2, make_net, dig
 
 def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(client2, make_net, digits, tmp_path):
     tr, te = digits
-    pids = client2.run(os.getpid)
-    victim = sorted(pids)[1]
-    killed = threading.Event()
-
-    def on_round(stat):
-        if stat["round"] == 3 and not killed.is_set():
-            killed.set()
-            os.kill(pids[victim], signal.SIGKILL)
-
-    def slow_loader(url):
-        # Rounds of >= 0.1 s leave the nanny time to restart the killed worker
-        # and let it rejoin while the fit is still running, however loaded the machine.
-        import time
-
-        time.sleep(0.05)
-        return dlspark.data.load_minibatch(url)
-
+    on_round, killed = kill_at_round(client2, 3)
     urls = dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16)
     net = _digits_net(make_net)
     trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2),
                                  progress=False)
-    trainer.fit_paths(str(tmp_path / "mb"), epochs=4, loader=slow_loader, callbacks=[on_round])
+    trainer.fit_paths(str(tmp_path / "mb"), epochs=4, loader=slow_loader(0.05), callbacks=[on_round])
     assert killed.is_set()
     per_epoch = {}
     for s in trainer.last_fit_stats:

@@ -39,6 +39,16 @@ def _check_decay(decay):
         raise ValueError(f"decay must be in [0.5, 1), got {decay!r}")
 
 
+def _steer(state, sparsity, low, high, decay):
+    """Lower the threshold (more elements sent) below ``low``, raise it above ``high``."""
+    t = state.threshold
+    if sparsity < low:
+        t *= decay
+    elif sparsity > high:
+        t /= decay
+    return ThresholdState(t, float(sparsity))
+
+
 class _Threshold:
     def init(self) -> ThresholdState:
         return ThresholdState(float(self.initial))
@@ -77,12 +87,7 @@ class AdaptiveThreshold(_Threshold):
             )
 
     def update(self, state: ThresholdState, sparsity: float) -> ThresholdState:
-        t = state.threshold
-        if sparsity < self.min_sparsity:
-            t *= self.decay
-        elif sparsity > self.max_sparsity:
-            t /= self.decay
-        return ThresholdState(t, float(sparsity))
+        return _steer(state, sparsity, self.min_sparsity, self.max_sparsity, self.decay)
 
 
 @dataclass(frozen=True)
@@ -100,12 +105,7 @@ class TargetSparsityThreshold(_Threshold):
             raise ValueError(f"target must be in (0, 1/16), got {self.target!r}")
 
     def update(self, state: ThresholdState, sparsity: float) -> ThresholdState:
-        t = state.threshold
-        if sparsity < self.target:
-            t *= self.decay
-        elif sparsity > self.target:
-            t /= self.decay
-        return ThresholdState(t, float(sparsity))
+        return _steer(state, sparsity, self.target, self.target, self.decay)
 
 
 @dataclass(frozen=True)
