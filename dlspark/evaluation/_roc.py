@@ -113,11 +113,10 @@ class _ROCBase(BaseEvaluation):
         return out
 
     def _store(self, curves):
+        # one row per column: histograms, or (exact mode) every score and label seen,
+        # which all columns have in equal number
         st = [c.state() for c in curves]
-        if self.threshold_steps:
-            self._a, self._b = np.stack([s[0] for s in st]), np.stack([s[1] for s in st])
-        else:  # ragged-safe: every column holds the same number of rows
-            self._a, self._b = np.stack([s[0] for s in st]), np.stack([s[1] for s in st])
+        self._a, self._b = np.stack([s[0] for s in st]), np.stack([s[1] for s in st])
 
     def _add_columns(self, scores, labels):
         if not np.all(np.isin(labels, (0.0, 1.0))):
