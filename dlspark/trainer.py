@@ -333,7 +333,8 @@ class DistributedTrainer:
                                   "threshold_state": self.threshold_state})
         state = state_to_bytes(net.state)
         base_step, base_epoch = net.iteration, net.epoch
-        options = {"algorithm": self.master.algorithm,
+        options = {"algorithm": self.master.algorithm, "mesh": getattr(self.master, "mesh", None),
+                   "tree_fanout": getattr(self.master, "tree_fanout", None),
                    "steps_per_round": self.master.steps_per_round, "repartition": self.master.repartition,
                    "repartition_strategy": self.master.repartition_strategy, "skip": list(skip),
                    "base_epoch": base_epoch, "base_step": base_step,

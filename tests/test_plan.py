@@ -103,3 +103,26 @@ def test_progress_reports_done_minibatches():
     p = c.plan_round(["a", "b"])
     c.complete_round(p, ["a", "b"])
     assert c.progress() == {"epoch": 0, "done": [0, 1]}
+
+
+def test_tree_links_form_a_tree_with_bounded_fanout():
+    from collections import deque
+
+    from dlspark.distributed._plan import tree_links
+
+    ws = [f"w{i:02d}" for i in range(11)]
+    links = tree_links(ws, 2)
+    assert sum(len(v) for v in links.values()) == 2 * (len(ws) - 1)  # a tree: n - 1 edges
+    assert max(len(v) for v in links.values()) <= 3
+    # flooding from any node reaches all, each exactly once
+    for start in ws:
+        seen, q = {start}, deque([(start, None)])
+        while q:
+            node, via = q.popleft()
+            for nb in links[node]:
+                if nb != via:
+                    assert nb not in seen
+                    seen.add(nb)
+                    q.append((nb, node))
+        assert seen == set(ws)
+    assert tree_links(["a"], 3) == {"a": []}

@@ -10,7 +10,7 @@ __all__ = ["ParameterAveraging", "GradientSharing", "TRAINING_APPROACHES", "REPA
 TRAINING_APPROACHES = ("export", "direct")
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
 REPARTITION_STRATEGIES = ("balanced", "spark_default")
-MESHES = ("plain",)
+MESHES = ("plain", "tree")
 
 
 def _positive_int(name, value, minimum=1):
@@ -138,8 +138,14 @@ class GradientSharing:
     encoding_debug : bool
         Record per step and worker: threshold, sparsity, format, message bytes,
         residual norm, mean |update| / threshold.
-    mesh : {"plain"}
-        Every worker sends to every peer.
+    mesh : {"plain", "tree"}
+        ``plain``: every worker sends to every peer. ``tree``: the coordinator
+        arranges each round's workers in a tree of fan-out ``tree_fanout``;
+        a worker sends to its tree neighbours, which relay onwards, so no
+        worker talks to more than ``tree_fanout + 1`` others (DL4J's mesh
+        mode, for large clusters).
+    tree_fanout : int
+        Children per node of the relay tree.
     steps_per_round : int
         Minibatches handed to each worker at a time. There is no barrier
         between steps; at the end of each such round the replicas confirm
@@ -167,6 +173,7 @@ class GradientSharing:
     collect_training_stats: bool = False
     steps_per_round: int = 16
     max_staleness: int = 4
+    tree_fanout: int = 4
 
     algorithm = "sharing"
 
@@ -178,6 +185,7 @@ class GradientSharing:
         _choice("mesh", self.mesh, MESHES)
         _positive_int("steps_per_round", self.steps_per_round)
         _positive_int("max_staleness", self.max_staleness, minimum=0)
+        _positive_int("tree_fanout", self.tree_fanout)
         if self.workers_per_node is not None:
             _positive_int("workers_per_node", self.workers_per_node)
         if not isinstance(self.threshold_algorithm, (AdaptiveThreshold, TargetSparsityThreshold, FixedThreshold)):

@@ -16,7 +16,7 @@ import cloudpickle
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import JobFailedError
-from ._plan import Coordinator
+from ._plan import Coordinator, tree_links
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +179,8 @@ class _JobRunner:
                     threshold={w: fits[w]["threshold"] for w in contributors},
                     stale_wait=max((fits[w]["stale_wait"] for w in contributors), default=0.0),
                     encoding_debug={w: fits[w]["debug"] for w in contributors if fits[w]["debug"]},
+                    relayed=sum(fits[w].get("relayed", 0) for w in contributors),
+                    fetched_at_sync=self._fetched_at_sync,
                 )
             self.stats.append(stat)
             self._emit(stat)
@@ -207,10 +209,14 @@ class _JobRunner:
         """Workers step freely, exchanging messages peer to peer; then every replica
         catches up on the round's messages it missed, so all applied the same set."""
         peers = {w: (self.gs_steps.get(w, 0), len(plan.assignment.get(w, []))) for w in sorted(self.live)}
+        active = [w for w in plan.assignment if plan.assignment[w]]
+        # Tree mesh: the round's active workers relay to tree neighbours only;
+        # idle workers catch up in the sync below.
+        links = tree_links(active, self.options["tree_fanout"]) if self.options.get("mesh") == "tree" else {}
         fits, _ = await self._each(
-            [w for w in plan.assignment if plan.assignment[w]], "fit",
+            active, "fit",
             lambda w: {"round": plan.round, "epoch": self.options["base_epoch"] + plan.epoch,
-                       "refs": plan.assignment[w], "peers": peers},
+                       "refs": plan.assignment[w], "peers": peers, "links": links.get(w)},
         )
         contributors = [w for w in plan.contributors if w in fits and w in self.live]
         while True:
@@ -235,6 +241,7 @@ class _JobRunner:
             if not lost:
                 break
             contributors = [w for w in contributors if w in self.live]
+        self._fetched_at_sync = sum(sum(len(k) for k in missing[w].values()) for w in syncs)
         for w, r in syncs.items():
             self.gs_steps[w] = r["step"]
             self.threshold_states[w] = r["threshold_state"]

@@ -54,10 +54,13 @@ class SharingState:
         self.step = 0  # this worker's message counter
         self.lock = threading.Condition()
         self.inbox: dict = {}  # (sender, step) -> message, this round
-        self.applied: set = set()  # (sender, step) applied to this replica
+        self.applied: set = set()  # (sender, step) applied to this replica, since the last sync
+        self.synced: dict = {}  # sender -> every step up to this one was applied by every replica
         self.progress: dict = {}  # sender -> highest step seen
         self.gone: set = set()
         self.store: dict = {}  # (sender, step) -> message: everything seen this round, to serve peers that missed one
+        self.links = None  # tree mesh: this round's neighbours
+        self.relayed = 0
         # The jitted functions depend only on the network; keep them with it so
         # that later fits of the same network do not compile again.
         fns = getattr(job.net, "_sharing_fns", None)
@@ -66,13 +69,18 @@ class SharingState:
         self.flat_update, self.apply_flat, self.add_flat = fns
 
     # -- inbox (event loop thread) -----------------------------------------------
-    def receive(self, sender, step, message):
+    def receive(self, sender, step, message) -> bool:
+        """Keep a peer's message; True if it was not seen before this round."""
         with self.lock:
+            if step <= self.synced.get(sender, 0):
+                return False  # a late copy of a message every replica applied in an earlier round
+            new = (sender, step) not in self.store and (sender, step) not in self.applied
             self.store.setdefault((sender, step), message)
             if (sender, step) not in self.applied:
                 self.inbox.setdefault((sender, step), message)
             self.progress[sender] = max(self.progress.get(sender, 0), step)
             self.lock.notify_all()
+        return new
 
     def have(self):
         """The round's messages this worker holds, as ``{sender: [steps]}``."""
@@ -123,8 +131,13 @@ class SharingState:
 
     # -- the step loop (compute thread) ------------------------------------------
     def new_round(self):
+        """After a sync every replica applied the round's messages: forget them, so that the
+        bookkeeping stays the size of one round however long the job runs."""
         with self.lock:
-            self.inbox = {k: v for k, v in self.inbox.items() if k not in self.applied}
+            for sender, step in self.store:
+                self.synced[sender] = max(self.synced.get(sender, 0), step)
+            self.applied = {(s, k) for s, k in self.applied if k > self.synced.get(s, 0)}
+            self.inbox = {k: v for k, v in self.inbox.items() if k not in self.applied and k[1] > self.synced.get(k[0], 0)}
             self.store = dict(self.inbox)
         self.gone = set()
 

@@ -275,10 +275,11 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         resp = await self.worker.rpc(source).dlspark_state(job=job)
         return await self._setup(job, spec, resp["state"], rank)
 
-    async def _fit(self, job: str, round: int, epoch: int, refs: list, peers: dict | None = None):
+    async def _fit(self, job: str, round: int, epoch: int, refs: list, peers: dict | None = None,
+                   links: list | None = None):
         j = self._job(job)
         if j.sharing is not None:
-            return await self._fit_sharing(j, job, epoch, refs, peers or {})
+            return await self._fit_sharing(j, job, epoch, refs, peers or {}, links)
         for r in [r for r in j.contributions if r < round]:
             j.contributions.pop(r, None)
             j.ready.pop(r, None)
@@ -288,33 +289,46 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         return result
 
     # -- gradient sharing ----------------------------------------------------------
-    async def _fit_sharing(self, j, job, epoch, refs, peers):
+    async def _push(self, job, sender, step, message, targets):
+        me = self.worker.address
+        payload = to_serialize(message)
+        await asyncio.gather(*[self.worker.rpc(p).dlspark_gs_push(job=job, sender=sender, step=step, message=payload,
+                                                                  via=me)
+                               for p in targets], return_exceptions=True)
+
+    async def _fit_sharing(self, j, job, epoch, refs, peers, links):
         loop = asyncio.get_running_loop()
         me = self.worker.address
         peers = {p: tuple(v) for p, v in peers.items() if p != me}
-
-        async def push(step, message):
-            payload = to_serialize(message)
-            await asyncio.gather(*[self.worker.rpc(p).dlspark_gs_push(job=job, sender=me, step=step, message=payload)
-                                   for p in peers], return_exceptions=True)
+        # plain mesh: straight to every peer; tree mesh: to tree neighbours, who relay
+        j.sharing.links = None if links is None else [p for p in links if p != me]
+        targets = list(peers) if links is None else j.sharing.links
+        j.sharing.relayed = 0
 
         def send(step, message):
-            asyncio.run_coroutine_threadsafe(push(step, message), loop)
+            asyncio.run_coroutine_threadsafe(self._push(job, me, step, message, targets), loop)
 
         def run():
             j.state = j.state.replace(epoch=jnp.asarray(epoch, jnp.int32))
             pre = _Prefetcher(refs, j.load, j.master.worker_prefetch_num_batches)
             t0 = time.perf_counter()
             out = j.sharing.fit(pre, peers, send)
-            out.update(fit_time=time.perf_counter() - t0, data_wait=pre.wait_time)
+            out.update(fit_time=time.perf_counter() - t0, data_wait=pre.wait_time, relayed=j.sharing.relayed)
             return out
 
         return await self._run(j, run)
 
-    async def _gs_push(self, job: str, sender: str, step: int, message):
+    async def _gs_push(self, job: str, sender: str, step: int, message, via: str | None = None):
         j = self.jobs.get(job)
         if j is not None and j.sharing is not None:
-            j.sharing.receive(sender, step, np.asarray(message))
+            message = np.asarray(message)
+            new = j.sharing.receive(sender, step, message)
+            links = j.sharing.links
+            if new and links:  # tree mesh: relay onwards, never back where it came from
+                onward = [p for p in links if p not in (via, sender)]
+                if onward:
+                    j.sharing.relayed += 1
+                    asyncio.ensure_future(self._push(job, sender, step, message, onward))
         return {"status": "OK"}
 
     async def _gs_have(self, job: str):
