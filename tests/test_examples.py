@@ -1,14 +1,25 @@
 import pathlib
 import runpy
-import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_digits_example_runs_and_learns(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["train_digits.py", "--epochs", "6", "--save", str(tmp_path / "n.dls")])
-    mod = runpy.run_path(str(ROOT / "examples" / "train_digits.py"))
-    acc = mod["main"](["--epochs", "6", "--save", str(tmp_path / "n.dls")])
+def _main():
+    return runpy.run_path(str(ROOT / "examples" / "train_digits.py"))["main"]
+
+
+def test_digits_example_runs_locally_and_learns(tmp_path, capsys):
+    acc = _main()(["--local", "--epochs", "6", "--save", str(tmp_path / "n.dls")])
     assert acc >= 0.93
     assert (tmp_path / "n.dls").exists()
     assert "test accuracy" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_digits_example_trains_on_the_embedded_cluster(capsys):
+    acc = _main()(["--epochs", "8"])
+    assert acc >= 0.95
+    out = capsys.readouterr().out
+    assert "Confusion matrix" in out
