@@ -21,27 +21,43 @@ _MAX_CACHED = 4
 
 
 def network_blob(network, token):
-    """What a worker needs to rebuild ``network``: its definition and state, pickled once."""
+    """What a worker needs to rebuild ``network``: its definition and state (version ``token``), pickled once."""
     from .checkpoint import state_to_bytes
 
-    return cloudpickle.dumps({"token": token, "definition": network.definition(),
+    return cloudpickle.dumps({"token": token, "network": network.token, "definition": network.definition(),
                               "state": state_to_bytes(network.state)})
 
 
 def _network(blob):
+    """The worker's copy of a network at the blob's state version.
+
+    One compiled copy per network (its token): a new state version (after a
+    fit, say) only swaps the arrays in, so evaluation after each epoch does not
+    compile again.
+    """
     d = cloudpickle.loads(blob) if isinstance(blob, (bytes, bytearray)) else blob
     with _LOCK:
-        net = _CACHE.get(d["token"])
-        if net is None:
-            from .checkpoint import state_from_bytes
+        entry = _CACHE.get(d["network"])
+        if entry is None:
             from .network import Network
 
-            net = Network.from_definition(d["definition"])
-            net.state = state_from_bytes(d["state"], net.state)
             if len(_CACHE) >= _MAX_CACHED:
                 _CACHE.pop(next(iter(_CACHE)))
-            _CACHE[d["token"]] = net
-    return net
+            entry = _CACHE[d["network"]] = {"net": Network.from_definition(d["definition"]), "states": {}}
+        states = entry["states"]
+        if d["token"] not in states:
+            from .checkpoint import state_from_bytes
+
+            if len(states) >= 2:
+                states.pop(next(iter(states)))
+            states[d["token"]] = state_from_bytes(d["state"], entry["net"].state)
+        # A shallow copy shares the compiled steps (built here first, once) but
+        # holds its own state, so concurrent tasks at different versions never
+        # see each other's arrays.
+        entry["net"].steps  # noqa: B018 - builds the jitted functions on the shared network
+        view = copy.copy(entry["net"])
+        view.state = states[d["token"]]
+    return view
 
 
 def _load(ref, loader, storage_options):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -213,6 +214,8 @@ class Network:
         self.seed = int(seed)
         self.on_nonfinite = on_nonfinite
         self.state = self.init_state()
+        #: Names this network's definition: workers keep one compiled copy per token.
+        self.token = uuid.uuid4().hex
         self._steps = None
         self._checked_shapes: set = set()
         #: ``(iteration, loss)`` of every minibatch fitted so far (DL4J's score listener).

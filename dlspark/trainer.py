@@ -328,7 +328,8 @@ class DistributedTrainer:
         net, client = self.network, self.client
         workers = self._workers()
         job = uuid.uuid4().hex[:12]
-        spec = cloudpickle.dumps({"definition": net.definition(), "master": self.master, "refs": refs,
+        spec = cloudpickle.dumps({"definition": net.definition(), "network_token": net.token,
+                                  "master": self.master, "refs": refs,
                                   "loader": loader, "storage_options": storage_options,
                                   "threshold_state": self.threshold_state})
         state = state_to_bytes(net.state)

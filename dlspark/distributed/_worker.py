@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import os
 import queue
@@ -53,10 +52,10 @@ _NETWORKS: dict = {}
 _NETWORKS_LOCK = threading.Lock()
 
 
-def _cached_network(definition):
-    """The same definition across fits (a fit per epoch is common) reuses one Network,
-    and so its compiled steps: jobs compile once, and repeated jobs not again."""
-    key = hashlib.sha1(cloudpickle.dumps(definition)).hexdigest()
+def _cached_network(definition, key):
+    """The same network across fits (a fit per epoch is common) reuses one Network,
+    and so its compiled steps: jobs compile once, and repeated jobs not again.
+    ``key`` is the client-side network's token."""
     with _NETWORKS_LOCK:
         net = _NETWORKS.get(key)
         if net is None:
@@ -117,7 +116,7 @@ class _Job:
         self.worker = worker
         self.spec = spec
         self.master = spec["master"]
-        self.net = _cached_network(spec["definition"])
+        self.net = _cached_network(spec["definition"], spec["network_token"])
         state = state_from_bytes(state_bytes, self.net.state)
         if rank > 0:  # decorrelate dropout and the like across replicas
             state = state.replace(rng=jax.random.fold_in(state.rng, rank))
