@@ -13,7 +13,7 @@ import numpy as np
 from . import _inference as _inf
 from .checkpoint import read_checkpoint_meta, state_from_bytes, state_to_bytes
 from .data import DataSet, MultiDataSet, as_dataset, list_minibatches, save_dataset
-from .distributed._masters import GradientSharing, ParameterAveraging
+from .distributed._masters import GradientSharing, ParameterAveraging, _positive_int
 from .distributed._thresholds import ThresholdState
 from .distributed._scheduler import DlsparkSchedulerPlugin
 from .distributed._worker import DlsparkWorkerPlugin
@@ -35,6 +35,21 @@ def _reject_memory(url, what):
             "worker processes; use a local directory, a shared file system or an object store "
             "(file://, s3://, ...)"
         )
+
+
+def _list_paths(paths, storage_options):
+    """Minibatch file URLs for a glob, directory or list, refusing ``memory://``."""
+    for p in [paths] if isinstance(paths, str) else list(paths):
+        _reject_memory(str(p), "path")
+    return list_minibatches(paths, **(storage_options or {}))
+
+
+def _check_unique(keys, what):
+    seen = set()
+    for k in keys:
+        if k in seen:
+            raise ValueError(f"duplicate key {k!r} in {what}; keys must be unique")
+        seen.add(k)
 
 
 def _export_partition(parts, directory, batch_size, prefix):
@@ -105,10 +120,8 @@ class DistributedTrainer:
             self._cluster = local_cluster()
             client = Client(self._cluster)
             pin = _cpu_only()
-        if isinstance(eval_num_workers, bool) or not isinstance(eval_num_workers, int) or eval_num_workers < 1:
-            raise ValueError(f"eval_num_workers must be an integer >= 1, got {eval_num_workers!r}")
-        if isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int) or eval_batch_size < 1:
-            raise ValueError(f"eval_batch_size must be an integer >= 1, got {eval_batch_size!r}")
+        _positive_int("eval_num_workers", eval_num_workers)
+        _positive_int("eval_batch_size", eval_batch_size)
         self.eval_num_workers = eval_num_workers
         self.eval_batch_size = eval_batch_size
         self.client = client
@@ -289,9 +302,7 @@ class DistributedTrainer:
             fsspec options (credentials, endpoint) used on the client and workers.
         """
         self._check_fit_args(epochs, checkpoint_every, checkpoint_url)
-        for p in [paths] if isinstance(paths, str) else list(paths):
-            _reject_memory(str(p), "path")
-        refs = list_minibatches(paths, **(storage_options or {}))
+        refs = _list_paths(paths, storage_options)
         if loader is not None and not callable(loader):
             raise TypeError(f"loader must be a callable url -> DataSet, got {type(loader).__name__}")
         return self._run(refs, [0] * len(refs), epochs, loader, storage_options, checkpoint_every, checkpoint_url,
@@ -300,11 +311,9 @@ class DistributedTrainer:
     def _check_fit_args(self, epochs, checkpoint_every, checkpoint_url):
         if self.master is None:
             raise ValueError("this trainer has no master; pass one, e.g. DistributedTrainer(client, net, ParameterAveraging())")
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        _positive_int("epochs", epochs)
         if checkpoint_every is not None:
-            if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-                raise ValueError(f"checkpoint_every must be a positive integer (rounds), got {checkpoint_every!r}")
+            _positive_int("checkpoint_every", checkpoint_every)
             if not checkpoint_url:
                 raise ValueError("checkpoint_every needs checkpoint_url, e.g. fit(data, checkpoint_every=10, checkpoint_url='s3://b/ck.dls')")
             _reject_memory(checkpoint_url, "checkpoint_url")
@@ -420,9 +429,7 @@ class DistributedTrainer:
         """Split evaluation input into parts: ``(kind, payload)`` with kind "refs" or "delayed"."""
         n_parts = max(1, 2 * len(self._workers()))
         if isinstance(data, str) or (isinstance(data, list) and data and all(isinstance(d, str) for d in data)):
-            for p in [data] if isinstance(data, str) else data:
-                _reject_memory(p, "path")
-            refs = list_minibatches(data, **(storage_options or {}))
+            refs = _list_paths(data, storage_options)
             return "refs", [refs[i::n_parts] for i in range(min(n_parts, len(refs)))]
         if isinstance(data, tuple) and len(data) == 2 and all(_is_dask_collection(d) for d in data):
             import dask
@@ -522,15 +529,7 @@ class DistributedTrainer:
             items, as_dict = list(keyed_features.items()), True
         elif isinstance(keyed_features, list):
             items, as_dict = keyed_features, False
-            keys = [k for k, _ in items]
-            if len(set(keys)) != len(keys):
-                seen, dup = set(), None
-                for k in keys:
-                    if k in seen:
-                        dup = k
-                        break
-                    seen.add(k)
-                raise ValueError(f"duplicate key {dup!r} in keyed features; keys must be unique")
+            _check_unique([k for k, _ in items], "keyed features")
         else:
             raise TypeError(f"keyed features must be a dict, a list of (key, array) pairs or a dask bag, got {type(keyed_features).__name__}")
         if not items:
@@ -563,10 +562,10 @@ class DistributedTrainer:
                                        and not isinstance(data[0][1], (np.ndarray,))):
             items = list(data.items()) if isinstance(data, dict) else list(data)
             keys = [k for k, _ in items]
-            if len(set(keys)) != len(keys):
-                raise ValueError("duplicate keys in keyed examples; keys must be unique")
-            merged = type(as_dataset(items[0][1])).merge([as_dataset(d) for _, d in items])
-            sizes = [len(as_dataset(d)) for _, d in items]
+            _check_unique(keys, "keyed examples")
+            parts = [as_dataset(d) for _, d in items]
+            merged = type(parts[0]).merge(parts)
+            sizes = [len(d) for d in parts]
             losses = self.score_examples(merged, include_regularization, bs)
             bounds = np.cumsum([0] + sizes)
             vals = [losses[a:b] if b - a > 1 else float(losses[a]) for a, b in zip(bounds[:-1], bounds[1:])]
