@@ -126,3 +126,31 @@ def test_tree_links_form_a_tree_with_bounded_fanout():
                     q.append((nb, node))
         assert seen == set(ws)
     assert tree_links(["a"], 3) == {"a": []}
+
+
+@pytest.mark.parametrize("repartition", ["always", "never", "num_partitions_workers_differs"])
+@pytest.mark.parametrize("strategy", ["balanced", "spark_default"])
+def test_peek_round_predicts_the_next_plan_and_changes_nothing(repartition, strategy):
+    partitions = [i % 3 for i in range(23)]
+    c = Coordinator(partitions, epochs=3, steps_per_round=2, repartition=repartition, strategy=strategy, skip=[0, 4])
+    workers = ["a", "b", "c"]
+    plan = c.plan_round(workers)
+    rounds = 0
+    while plan is not None:
+        hint = c.peek_round(workers)
+        before = (c.epoch, c.round, set(c.done), dict(c.inflight), c.trained_total, c._remaining())
+        assert hint == c.peek_round(workers)  # peeking twice changes nothing
+        assert (c.epoch, c.round, set(c.done), dict(c.inflight), c.trained_total, c._remaining()) == before
+        c.complete_round(plan, plan.contributors)
+        plan = c.plan_round(workers)
+        assert hint == ({} if plan is None else {w: r for w, r in plan.assignment.items() if r})
+        rounds += 1
+    assert rounds > 3 * 23 // 6 and c.trained_total == 3 * 23 - 2
+
+
+def test_peek_round_is_only_a_hint_when_a_worker_fails():
+    c = Coordinator([0] * 8, epochs=1, steps_per_round=2)
+    plan = c.plan_round(["a", "b"])
+    assert c.peek_round(["a", "b"]) == {"a": [4, 5], "b": [6, 7]}
+    c.complete_round(plan, ["a"])  # b was lost: its minibatches come back first
+    assert c.plan_round(["a"]).assignment == {"a": [2, 3]}

@@ -148,6 +148,27 @@ class Coordinator:
         self.inflight = {w: list(r) for w, r in assignment.items() if r}
         return plan
 
+    def peek_round(self, workers) -> dict:
+        """The assignment the next :meth:`plan_round` over ``workers`` will make if the round in
+        flight completes with every worker: a prefetch hint, changing nothing here.
+
+        Returns ``{worker: [minibatch, ...]}`` (empty when the job will be complete).
+        """
+        saved = (self.epoch, self.round, self.done, self.inflight, self.trained_total, self._queues,
+                 self._pending)
+        # ``done`` only filters the next epoch's refill, which starts from an empty set; the
+        # queues and the pending deque are copied because planning pops from them.
+        self.done = set()
+        self._queues = None if self._queues is None else {w: deque(q) for w, q in self._queues.items()}
+        self._pending = deque(self._pending)
+        try:
+            self.complete_round(None, self.inflight)
+            plan = self.plan_round(workers) if workers else None
+            return {} if plan is None else {w: r for w, r in plan.assignment.items() if r}
+        finally:
+            (self.epoch, self.round, self.done, self.inflight, self.trained_total, self._queues,
+             self._pending) = saved
+
     def _rehome(self, workers):
         """Give the queues of departed workers to the live ones, shortest queue first."""
         live = set(workers)

@@ -53,6 +53,7 @@ class _JobRunner:
         self.stats: list = []
         self.gs_steps: dict = {}  # gradient sharing: each worker's message counter
         self.threshold_states: dict = {}
+        self._hint: dict = {}
         self.cancelled = False
         self.task = asyncio.ensure_future(self._main())
 
@@ -188,22 +189,43 @@ class _JobRunner:
             if every and plan.round % every == 0 and self.live:
                 await self._checkpoint()
 
+    def _fit_kw(self, plan, w, **extra):
+        # ``next_refs``: what this worker will probably fit next round, for its prefetcher.
+        return {"round": plan.round, "epoch": self.options["base_epoch"] + plan.epoch,
+                "refs": plan.assignment[w], "next_refs": self._hint.get(w, []), **extra}
+
     async def _averaging_round(self, plan):
-        fits, _ = await self._each(
-            [w for w in plan.assignment if plan.assignment[w]], "fit",
-            lambda w: {"round": plan.round, "epoch": self.options["base_epoch"] + plan.epoch,
-                       "refs": plan.assignment[w]},
+        """Every active worker fits and then averages with the round's other contributors,
+        fetching their parameters itself; workers with no data this round only average. The
+        scheduler steps in again only when a contributor was lost."""
+        active = [w for w in plan.assignment if plan.assignment[w]]
+        expected = plan.contributors
+        self._hint = self.coord.peek_round(self.live)
+        idle = [w for w in sorted(self.live) if w not in plan.assignment or not plan.assignment[w]]
+        (fits, _), (idle_avgs, _) = await asyncio.gather(
+            self._each(active, "fit", lambda w: self._fit_kw(plan, w, average_with=expected)),
+            self._each(idle, "average", lambda w: {"round": plan.round, "contributors": expected}),
         )
-        contributors = [w for w in plan.contributors if w in fits and w in self.live]
-        while True:
+        avgs = {**{w: f.pop("averaged", None) for w, f in fits.items()}, **idle_avgs}
+        contributors = [w for w in expected if w in fits and w in self.live]
+        for _ in range(len(expected) + 1):
             receivers = sorted(self.live)
             if not receivers:
                 return fits, [], {}
-            avgs, lost = await self._each(receivers, "average",
-                                          lambda w: {"round": plan.round, "contributors": contributors})
-            if not any(w in contributors for w in lost):
+            if contributors == expected and all(avgs.get(w) and "lost_peer" not in avgs[w] for w in receivers):
                 return fits, contributors, avgs
-            contributors = [w for w in contributors if w in self.live]
+            # A contributor was lost: average again over those left (from the stored
+            # contributions, so a worker that already averaged gets the same result).
+            for a in avgs.values():
+                peer = (a or {}).get("lost_peer")
+                if peer in contributors:
+                    contributors.remove(peer)
+                    if self._gone(peer):
+                        self.worker_left(peer)
+            expected = contributors = [w for w in contributors if w in self.live]
+            avgs, _ = await self._each(receivers, "average",
+                                       lambda w: {"round": plan.round, "contributors": contributors})
+        raise JobFailedError(f"job {self.job}: round {plan.round} could not be averaged")
 
     async def _sharing_round(self, plan):
         """Workers step freely, exchanging messages peer to peer; then every replica
@@ -213,11 +235,9 @@ class _JobRunner:
         # Tree mesh: the round's active workers relay to tree neighbours only;
         # idle workers catch up in the sync below.
         links = tree_links(active, self.options["tree_fanout"]) if self.options.get("mesh") == "tree" else {}
-        fits, _ = await self._each(
-            active, "fit",
-            lambda w: {"round": plan.round, "epoch": self.options["base_epoch"] + plan.epoch,
-                       "refs": plan.assignment[w], "peers": peers, "links": links.get(w)},
-        )
+        self._hint = self.coord.peek_round(self.live)
+        fits, _ = await self._each(active, "fit",
+                                   lambda w: self._fit_kw(plan, w, peers=peers, links=links.get(w)))
         contributors = [w for w in plan.contributors if w in fits and w in self.live]
         while True:
             receivers = sorted(self.live)

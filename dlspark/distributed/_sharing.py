@@ -142,15 +142,14 @@ class SharingState:
         self.gone = set()
 
     def fit(self, batches, peers, send):
-        """Run the steps of one round; ``send(step, message)`` ships a message to the peers."""
+        """Run the steps of one round over ``batches`` (``(examples, device batch)`` pairs);
+        ``send(step, message)`` ships a message to the peers."""
         job = self.job
         losses, stats, nbytes, examples = [], [], 0, 0
         stale_wait = 0.0
         state = job.state
-        for done, ds in enumerate(batches):
+        for done, (n_examples, batch) in enumerate(batches):
             stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
-            job.net.check_batch(ds)
-            batch = jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
             flat, opt, ms, rng, loss = self.flat_update(state, batch)
             flat = np.asarray(flat)
             if not np.isfinite(flat).all():
@@ -181,7 +180,7 @@ class SharingState:
                               "residual_norm": float(np.linalg.norm(self.residual)),
                               "update_to_threshold": float(np.abs(flat).mean() / t)})
             losses.append(loss)
-            examples += len(ds)
+            examples += n_examples
         job.state = state
         losses = [float(x) for x in losses]
         return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": examples, "last_step": self.step,

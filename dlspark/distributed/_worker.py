@@ -10,7 +10,6 @@ import asyncio
 import functools
 import logging
 import os
-import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from ..errors import NonFiniteLossError
 from ..io import write_bytes
 from ..network import Network
 from ._averaging import average_leaves
+from ._prefetch import Prefetcher
 
 logger = logging.getLogger(__name__)
 
@@ -65,50 +65,6 @@ def _cached_network(definition, key):
     return net
 
 
-class _Prefetcher:
-    """Loads minibatches in a background thread, ``depth`` ahead of the consumer."""
-
-    _END = object()
-
-    def __init__(self, refs, load, depth):
-        self.refs, self.load = list(refs), load
-        self.wait_time = 0.0
-        if depth <= 0:
-            self.q = None
-            return
-        self.q = queue.Queue(maxsize=depth)
-        self.thread = threading.Thread(target=self._run, name="dlspark-prefetch", daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        for r in self.refs:
-            try:
-                self.q.put((r, self.load(r), None))
-            except BaseException as e:  # handed to the consumer, which raises it
-                self.q.put((r, None, e))
-                return
-        self.q.put(self._END)
-
-    def __iter__(self):
-        if self.q is None:
-            for r in self.refs:
-                t = time.perf_counter()
-                ds = self.load(r)
-                self.wait_time += time.perf_counter() - t
-                yield ds
-            return
-        while True:
-            t = time.perf_counter()
-            item = self.q.get()
-            self.wait_time += time.perf_counter() - t
-            if item is self._END:
-                return
-            _, ds, err = item
-            if err is not None:
-                raise err
-            yield ds
-
-
 class _Job:
     """One job's state on one worker."""
 
@@ -132,6 +88,13 @@ class _Job:
         self.contributions: dict = {}
         self.ready: dict = {}
         self.refs = spec["refs"]
+        # One loading thread for the job's life: it reads the next round's first
+        # minibatches while this round is averaged.
+        self.prefetch = Prefetcher(self.staged, self.master.worker_prefetch_num_batches)
+
+    def close(self):
+        self.prefetch.close()
+        self.executor.shutdown(wait=False)
 
     # -- data ----------------------------------------------------------------
     def load(self, ref_index):
@@ -158,8 +121,15 @@ class _Job:
                 continue
         raise RuntimeError(f"minibatch {key!r} is held by no live worker")
 
+    def staged(self, ref_index):
+        """A minibatch checked against the network and already on the device: ``(examples, batch)``.
+        Runs on the prefetch thread, off the compute thread's path."""
+        ds = self.load(ref_index)
+        self.net.check_batch(ds)
+        return len(ds), jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
+
     # -- compute (runs on the job's compute thread) -----------------------------
-    def fit(self, refs, epoch):
+    def fit(self, refs, epoch, next_refs=()):
         steps = self.net.steps
         state = self.state
         if not self.master.save_updater:
@@ -167,16 +137,15 @@ class _Job:
         state = state.replace(epoch=jnp.asarray(epoch, jnp.int32))
         losses, oks = [], []
         t0 = time.perf_counter()
-        pre = _Prefetcher(refs, self.load, self.master.worker_prefetch_num_batches)
+        self.prefetch.expect(refs, next_refs)
+        wait0 = self.prefetch.wait_time
         n_examples = 0
         base_step = int(state.step)
-        for ds in pre:
-            self.net.check_batch(ds)
-            batch = jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
+        for n, batch in self.prefetch.iterate(refs):
             state, loss, ok = steps.train_step(state, batch)
             losses.append(loss)
             oks.append(ok)
-            n_examples += len(ds)
+            n_examples += n
         # One device-to-host transfer per round, not per step.
         oks = [bool(x) for x in oks]
         if self.net.on_nonfinite == "raise" and not all(oks):
@@ -187,7 +156,7 @@ class _Job:
         self.state = state
         fit_time = time.perf_counter() - t0
         return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": n_examples,
-                "fit_time": fit_time, "data_wait": pre.wait_time}
+                "fit_time": fit_time, "data_wait": self.prefetch.wait_time - wait0}
 
     def leaves(self):
         return [np.asarray(x) for x in jax.tree_util.tree_leaves(self.state)]
@@ -249,7 +218,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
     def teardown(self, worker):
         for job in self.jobs.values():
-            job.executor.shutdown(wait=False)
+            job.close()
         self.jobs.clear()
 
     def _job(self, job):
@@ -274,17 +243,26 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         resp = await self.worker.rpc(source).dlspark_state(job=job)
         return await self._setup(job, spec, resp["state"], rank)
 
-    async def _fit(self, job: str, round: int, epoch: int, refs: list, peers: dict | None = None,
-                   links: list | None = None):
+    async def _fit(self, job: str, round: int, epoch: int, refs: list, next_refs: list = (),
+                   average_with: list | None = None, peers: dict | None = None, links: list | None = None):
+        """Fit this round's minibatches; with ``average_with``, average with those peers at once
+        (one control message per round; the scheduler steps in only if a peer is lost)."""
         j = self._job(job)
         if j.sharing is not None:
-            return await self._fit_sharing(j, job, epoch, refs, peers or {}, links)
+            return await self._fit_sharing(j, job, epoch, refs, next_refs, peers or {}, links)
         for r in [r for r in j.contributions if r < round]:
             j.contributions.pop(r, None)
             j.ready.pop(r, None)
-        result = await self._run(j, j.fit, refs, epoch)
-        j.contributions[round] = await self._run(j, j.leaves)
-        j.ready.setdefault(round, asyncio.Event()).set()
+        try:
+            result = await self._run(j, j.fit, refs, epoch, next_refs)
+            j.contributions[round] = await self._run(j, j.leaves)
+        except BaseException:
+            j.contributions[round] = None  # peers waiting for it learn it will not come
+            raise
+        finally:
+            j.ready.setdefault(round, asyncio.Event()).set()
+        if average_with:
+            result["averaged"] = await self._average(job, round, average_with)
         return result
 
     # -- gradient sharing ----------------------------------------------------------
@@ -295,7 +273,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
                                                                   via=me)
                                for p in targets], return_exceptions=True)
 
-    async def _fit_sharing(self, j, job, epoch, refs, peers, links):
+    async def _fit_sharing(self, j, job, epoch, refs, next_refs, peers, links):
         loop = asyncio.get_running_loop()
         me = self.worker.address
         peers = {p: tuple(v) for p, v in peers.items() if p != me}
@@ -309,10 +287,12 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
         def run():
             j.state = j.state.replace(epoch=jnp.asarray(epoch, jnp.int32))
-            pre = _Prefetcher(refs, j.load, j.master.worker_prefetch_num_batches)
+            j.prefetch.expect(refs, next_refs)
+            wait0 = j.prefetch.wait_time
             t0 = time.perf_counter()
-            out = j.sharing.fit(pre, peers, send)
-            out.update(fit_time=time.perf_counter() - t0, data_wait=pre.wait_time, relayed=j.sharing.relayed)
+            out = j.sharing.fit(j.prefetch.iterate(refs), peers, send)
+            out.update(fit_time=time.perf_counter() - t0, data_wait=j.prefetch.wait_time - wait0,
+                       relayed=j.sharing.relayed)
             return out
 
         return await self._run(j, run)
@@ -358,28 +338,44 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         j = self._job(job)
         ev = j.ready.setdefault(round, asyncio.Event())
         await asyncio.wait_for(ev.wait(), timeout=600)
-        return {"leaves": to_serialize(j.contributions[round])}
+        leaves = j.contributions.get(round)
+        if leaves is None:
+            return {"status": "no-contribution"}
+        return {"status": "OK", "leaves": to_serialize(leaves)}
 
     async def _average(self, job: str, round: int, contributors: list):
+        """Average this round's contributions, fetched from the peers that hold them.
+
+        Averaging starts from the stored contributions, so calling it again with fewer
+        contributors (one was lost) is safe. A peer whose contribution cannot be had is
+        named in ``lost_peer`` and nothing changes here.
+        """
         j = self._job(job)
         t0 = time.perf_counter()
         if contributors == [self.worker.address] and round in j.contributions:
             # Sole contributor: the mean is its own state, already in place.
-            return {"avg_time": time.perf_counter() - t0, "fetch_time": 0.0, "bytes_received": 0}
+            return {"avg_time": time.perf_counter() - t0, "fetch_time": 0.0, "bytes_received": 0,
+                    "contributors": contributors}
         contribs = []
         nbytes = 0
         for addr in contributors:
             if addr == self.worker.address:
                 contribs.append(j.contributions[round])
-            else:
+                continue
+            try:
                 resp = await self.worker.rpc(addr).dlspark_contribution(job=job, round=round)
-                leaves = resp["leaves"]
-                nbytes += sum(np.asarray(x).nbytes for x in leaves)
-                contribs.append(leaves)
+            except OSError:
+                resp = {}
+            if resp.get("status") != "OK":
+                return {"lost_peer": addr}
+            leaves = resp["leaves"]
+            nbytes += sum(np.asarray(x).nbytes for x in leaves)
+            contribs.append(leaves)
         t_fetch = time.perf_counter() - t0
         own = j.contributions.get(round) or await self._run(j, j.leaves)
         await self._run(j, lambda: j.set_leaves(average_leaves(own, contribs)))
-        return {"avg_time": time.perf_counter() - t0, "fetch_time": t_fetch, "bytes_received": nbytes}
+        return {"avg_time": time.perf_counter() - t0, "fetch_time": t_fetch, "bytes_received": nbytes,
+                "contributors": contributors}
 
     async def _state(self, job: str, step: int | None = None, epoch: int | None = None):
         j = self._job(job)
@@ -408,5 +404,5 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     async def _teardown(self, job: str):
         j = self.jobs.pop(job, None)
         if j is not None:
-            j.executor.shutdown(wait=False)
+            j.close()
         return {"status": "OK"}
