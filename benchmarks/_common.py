@@ -52,6 +52,21 @@ def make_data(n, kind="mlp"):
 
 def plain_steps_per_second(kind, batch_size, steps=60, core=0):
     """Steps/s of the same jitted step in a fresh process pinned to one core (the baseline)."""
+    out = subprocess.run(*_plain_command(kind, batch_size, steps, core), capture_output=True, text=True, check=True)
+    rate, cpu_per_wall = map(float, out.stdout.split())
+    return rate, cpu_per_wall
+
+
+def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60):
+    """Mean steps/s of plain processes run at the same time, one pinned to each of ``cores``:
+    the baseline with the machine as loaded as in a job (shared caches, memory bandwidth)."""
+    procs = [subprocess.Popen(*_plain_command(kind, batch_size, steps, c), stdout=subprocess.PIPE, text=True)
+             for c in cores]
+    rates = [float(p.communicate()[0].split()[0]) for p in procs]
+    return sum(rates) / len(rates)
+
+
+def _plain_command(kind, batch_size, steps, core):
     code = textwrap.dedent(f"""
         import os, sys, time
         os.sched_setaffinity(0, {{{core}}})
@@ -72,9 +87,7 @@ def plain_steps_per_second(kind, batch_size, steps=60, core=0):
         wall = time.perf_counter() - t0
         print({steps} / wall, (time.process_time() - c0) / wall)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    rate, cpu_per_wall = map(float, out.stdout.split())
-    return rate, cpu_per_wall
+    return ([sys.executable, "-c", code],)
 
 
 def make_master(algorithm, batch, frequency=5, approach="export", **sharing):

@@ -1,8 +1,11 @@
 """Per-worker efficiency of parameter averaging and gradient sharing on a 2-worker LocalCluster.
 
 efficiency = (steps/s of one worker inside the job) / (steps/s of the same
-jitted step in a plain process pinned to one core). Both sides are measured
-in the same run. Print it with ``python benchmarks/bench_efficiency.py [averaging|sharing] [mlp|cnn]``.
+jitted step in a plain process pinned to one core). Each worker is pinned to
+one core too. Both sides are measured in the same run. A second figure,
+``efficiency_vs_concurrent``, divides by plain processes run side by side on
+the workers' cores, so that the machine is as loaded as during the job.
+Print them with ``python benchmarks/bench_efficiency.py [averaging|sharing] [mlp|cnn]``.
 """
 
 import os
@@ -11,14 +14,15 @@ import timeit
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import make_data, make_master, make_network, plain_steps_per_second  # noqa: E402
+from _common import (make_data, make_master, make_network, plain_concurrent_steps_per_second,  # noqa: E402
+                     plain_steps_per_second)
 
 #: network -> minibatch size giving a plain step of roughly 10-13 ms on one core here
 BATCH = {"mlp": 160, "cnn": 16}
 FREQ = 5
 
 
-def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export", algorithm="averaging"):
+def measure(kind="mlp", n_rounds=40, workers=2, freq=FREQ, approach="export", algorithm="averaging"):
     from distributed import Client
 
     import dlspark
@@ -31,7 +35,7 @@ def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export", al
     # machine is shared, and its speed drifts within a run.
     before, _ = plain_steps_per_second(kind, batch)
     with local_cluster(workers) as cluster, Client(cluster) as client:
-        client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers))
+        client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers, cores_per_worker=1))
         net = make_network(kind)
         sharing = {"steps_per_round": 4 * freq} if algorithm == "sharing" else {}
         master = make_master(algorithm, batch, freq, approach, **sharing)
@@ -47,7 +51,9 @@ def measure(kind="mlp", n_rounds=20, workers=2, freq=FREQ, approach="export", al
     job_rate = steps / wall
     after, cpu = plain_steps_per_second(kind, batch)
     plain_rate = (before + after) / 2
+    concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(workers)))
     return {"algorithm": algorithm, "network": kind, "params": net.num_params, "job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": job_rate / plain_rate,
+            "efficiency_vs_concurrent": job_rate / concurrent,
             "plain_step_ms": 1000 / plain_rate, "plain_drift": after / before, "plain_cpu_per_wall": cpu,
             "fit_share": fit / wall, "avg_share": avg / wall, "fetch_share": fetch / wall}
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import CheckpointError
-from .io import read_bytes, write_bytes
+from .io import NPY_READ_LOCK, read_bytes, write_bytes
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "load_checkpoint", "read_checkpoint_meta", "state_to_bytes",
            "state_from_bytes", "FORMAT_VERSION"]
@@ -132,7 +132,7 @@ def _open(url, raw):
 
 def _read_arrays(url, z, meta):
     try:
-        with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
+        with NPY_READ_LOCK, np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
             arrays = [npz[f"a{i}"] for i in range(len(meta["leaves"]))]
     except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as e:
         raise CheckpointError(url, f"array data is truncated or corrupt ({type(e).__name__}: {e})") from None

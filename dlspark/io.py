@@ -5,9 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import threading
 import uuid
 
 import fsspec
+
+#: Held while numpy reads .npy headers: numpy parses them with ``ast``, whose
+#: parser is not thread-safe in some CPython 3.11 releases ("AST constructor
+#: recursion depth mismatch" when two threads parse at once).
+NPY_READ_LOCK = threading.Lock()
 
 __all__ = ["atomic_write", "write_bytes", "read_bytes", "write_text", "read_text", "url_join", "is_glob"]
 

@@ -116,3 +116,21 @@ def test_close_stops_the_thread():
     p.close()
     p._thread.join(2)
     assert not p._thread.is_alive()
+
+
+def test_every_load_runs_on_the_loading_thread():
+    """Readers such as numpy's .npy header parser are not thread-safe on some CPython
+    3.11 releases: with a loading thread, the consumer never loads by itself."""
+    threads = set()
+
+    def load(ref):
+        threads.add(threading.current_thread().name)
+        return ref
+
+    p = Prefetcher(load, depth=1)
+    for refs in ([1, 2, 3], [4], [5, 6]):
+        p.expect(refs, ahead=[9])  # a wrong hint each time
+        assert list(p.iterate(refs)) == refs
+    assert p.take(42) == 42  # not expected at all
+    p.close()
+    assert threads == {"dlspark-prefetch"}

@@ -10,7 +10,7 @@ import fsspec
 import numpy as np
 
 from ..errors import CorruptMinibatchError
-from ..io import atomic_write, is_glob, read_bytes, url_join
+from ..io import NPY_READ_LOCK, atomic_write, is_glob, read_bytes, url_join
 from ._dataset import DataSet, MultiDataSet, as_dataset
 
 __all__ = ["save_minibatches", "save_dataset", "load_minibatch", "list_minibatches"]
@@ -116,7 +116,7 @@ def load_minibatch(url: str, **storage_options):
     except FileNotFoundError:
         raise CorruptMinibatchError(url, "file not found") from None
     try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        with NPY_READ_LOCK, np.load(io.BytesIO(raw), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
         raise CorruptMinibatchError(url, f"not a readable .npz minibatch ({type(e).__name__}: {e})") from None

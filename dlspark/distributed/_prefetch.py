@@ -83,20 +83,20 @@ class Prefetcher:
         t0 = time.perf_counter()
         with self._cv:
             if not self._plan or self._plan[0].ref != ref:
-                self._plan.appendleft(_Slot(ref))  # not expected: load it now
-            slot = self._plan[0]
-            if self._thread is None or not slot.started:
-                slot.started = True
-                self._plan.popleft()
+                self._plan.appendleft(_Slot(ref))  # not expected: load it next
                 self._cv.notify_all()
-                inline = True
+            slot = self._plan[0]
+            if self._thread is None:
+                self._plan.popleft()
             else:
+                # Loads stay on the loading thread, one at a time: readers such as
+                # numpy's header parser are not safe to run in two threads at once.
                 while not slot.done:
                     self._cv.wait()
                 self._plan.popleft()
                 self._cv.notify_all()
-                inline = False
-        if inline:
+        if self._thread is None:
+            slot.started = True
             self._fill(slot)
         self.wait_time += time.perf_counter() - t0
         if slot.error is not None:
@@ -124,9 +124,10 @@ class Prefetcher:
 
     def _next_slot(self):
         started = 0
-        for slot in self._plan:
+        for i, slot in enumerate(self._plan):
             if not slot.started:
-                return slot if started < self.depth else None
+                # The consumer's next slot is always loaded, whatever the depth.
+                return slot if started < self.depth or i == 0 else None
             started += 1
         return None
 

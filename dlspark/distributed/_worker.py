@@ -194,20 +194,24 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         how a worker gets the cores it was sized for.
     n_workers : int
         Workers sharing this machine, used to size the core groups.
+    cores_per_worker : int, optional
+        Size of each core group; default: the machine's cores split evenly
+        among ``n_workers``.
     """
 
     name = "dlspark"
 
-    def __init__(self, pin_cores: bool = False, n_workers: int = 1):
+    def __init__(self, pin_cores: bool = False, n_workers: int = 1, cores_per_worker: int | None = None):
         self.pin_cores = pin_cores
         self.n_workers = max(1, int(n_workers))
+        self.cores_per_worker = cores_per_worker
 
     def setup(self, worker):
         self.worker = worker
         self.jobs: dict = {}
         if self.pin_cores and hasattr(os, "sched_setaffinity"):
             cores = sorted(os.sched_getaffinity(0))
-            per = max(1, len(cores) // self.n_workers)
+            per = self.cores_per_worker or max(1, len(cores) // self.n_workers)
             try:
                 idx = int(worker.name) % max(1, len(cores) // per)
             except (TypeError, ValueError):
