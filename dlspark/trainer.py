@@ -534,17 +534,20 @@ class DistributedTrainer:
             raise TypeError(f"keyed features must be a dict, a list of (key, array) pairs or a dask bag, got {type(keyed_features).__name__}")
         if not items:
             return {} if as_dict else []
-        n_parts = max(1, 2 * len(self._workers()))
-        step = -(-len(items) // n_parts)
+        workers = self._workers()
+        # Keys stay here; workers get stacked blocks of examples and return blocks of
+        # outputs (no per-example Python objects on the wire). Blocks go out as soon as
+        # they are stacked, round robin, so workers compute while the rest is stacked.
+        step = -(-len(items) // max(1, 4 * len(workers)))
         chunks = [items[i:i + step] for i in range(0, len(items), step)]
-        # Keys stay here; each worker gets one stacked block of examples and
-        # returns one block of outputs (no per-example Python objects on the wire).
-        blocks = [_inf.stack_examples([f for _, f in c]) for c in chunks]
-        masks = [None] * len(chunks)
-        if features_mask is not None:
-            masks = [np.stack([np.asarray(features_mask[k]) for k, _ in c]) for c in chunks]
-        futures = [client.submit(_inf.predict_stacked, net, b, batch_size, m, pure=False)
-                   for b, m in zip(client.scatter(blocks, hash=False), masks)]
+        futures = []
+        for i, c in enumerate(chunks):
+            block = _inf.stack_examples([f for _, f in c])
+            mask = None if features_mask is None else np.stack([np.asarray(features_mask[k]) for k, _ in c])
+            where = [workers[i % len(workers)]]
+            [data] = client.scatter([block], workers=where, hash=False)
+            futures.append(client.submit(_inf.predict_stacked, net, data, batch_size, mask, workers=where,
+                                         allow_other_workers=True, pure=False))
         out = [pair for c, o in zip(chunks, client.gather(futures)) for pair in _inf.unstack_outputs([k for k, _ in c], o)]
         return dict(out) if as_dict else out
 
