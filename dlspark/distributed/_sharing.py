@@ -111,7 +111,8 @@ class SharingState:
         ``peers`` maps each peer to ``(its step counter at round start, its
         minibatches this round)``; a peer that finished its share holds no one back.
         """
-        deadline = time.monotonic() + _STALE_TIMEOUT
+        start = time.monotonic()
+        deadline = start + _STALE_TIMEOUT
 
         def lagging(p):
             start, quota = peers[p]
@@ -122,7 +123,7 @@ class SharingState:
             while True:
                 behind = [p for p in peers if p not in self.gone and lagging(p)]
                 if not behind:
-                    return 0.0
+                    return time.monotonic() - start
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.gone.update(behind)  # the round's sync sorts out what they sent
