@@ -623,6 +623,6 @@ def _plugins_installed(dask_scheduler=None):
 
 
 def _cpu_only():
-    from .cluster import _gpu_count
+    from .cluster import gpu_devices
 
-    return _gpu_count() == 0
+    return not gpu_devices()[1]

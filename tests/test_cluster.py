@@ -1,0 +1,43 @@
+"""The embedded cluster: one device per worker on GPU machines, CPU workers elsewhere."""
+
+import os
+
+import pytest
+from distributed import Client
+
+from dlspark import cluster as dcluster
+
+pytestmark = pytest.mark.slow
+
+
+def _worker_view():
+    import os
+
+    import jax.numpy as jnp
+
+    return (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
+            float(jnp.arange(4.0).sum()))
+
+
+def test_each_worker_sees_only_its_own_device():
+    # No GPU here: the ids are only handed out, and each worker's JAX still runs
+    # (on CPU); on a GPU machine the same variable gives each worker one GPU.
+    with dcluster.local_cluster(devices=["5", "7"]) as c, Client(c) as client:
+        views = client.run(_worker_view)
+    assert sorted(v[0] for v in views.values()) == ["5", "7"]
+    assert all(v[1] == "false" and v[2] == 6.0 for v in views.values())
+
+
+def test_more_workers_than_devices_is_refused():
+    with pytest.raises(ValueError, match=r"n_workers=3 but only 1 GPUs \(0\).*devices=\[\] for CPU workers"):
+        dcluster.local_cluster(3, devices=["0"])
+
+
+def test_no_gpu_probe_without_gpu_device_nodes(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not dcluster._could_have_gpus()
+    if not any(n.startswith("nvidia") for n in os.listdir("/dev")) and not os.path.exists("/dev/kfd"):
+        monkeypatch.delenv("JAX_PLATFORMS")
+        dcluster.gpu_devices.cache_clear()
+        assert dcluster.gpu_devices() == ("", ())
+        assert dcluster.default_worker_count() == len(os.sched_getaffinity(0))
