@@ -26,7 +26,6 @@ __all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "Encoded", "threshold_en
 
 EMPTY, SPARSE, BITMAP = 0, 1, 2
 HEADER_WORDS = 4
-_SHIFTS = np.arange(0, 32, 2, dtype=np.uint32)
 
 
 class Encoded(NamedTuple):
@@ -114,9 +113,12 @@ def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray 
         return Encoded(_header(EMPTY, 0, n, t), out, 0)
     out[idx] = new
     if count > n / 16:
-        codes = np.zeros(bitmap_words(n) * 16, np.uint32)
-        codes[idx] = np.where(q < 0, np.uint32(3), np.uint32(1))
-        words = np.bitwise_or.reduce(codes.reshape(-1, 16) << _SHIFTS, axis=1).view(np.int32)
+        # Two bits per element, (moved, down), packed little-endian: bit 2k and 2k+1 of
+        # word w belong to element 16w + k.
+        bits = np.zeros((bitmap_words(n) * 16, 2), bool)
+        bits[idx, 0] = True
+        bits[idx[q < 0], 1] = True
+        words = np.packbits(bits.reshape(-1), bitorder="little").view("<i4").astype(np.int32, copy=False)
         return Encoded(np.concatenate([_header(BITMAP, count, n, t), words]), out, count)
     signed = idx.astype(np.int32) + 1
     signed[q < 0] *= -1
@@ -138,9 +140,9 @@ def decode_into(message: np.ndarray, target: np.ndarray) -> np.ndarray:
         target[pos] += t
         target[neg] -= t
     elif info["format"] == BITMAP:
-        codes = (payload.view(np.uint32)[:, None] >> _SHIFTS) & 3
-        codes = codes.reshape(-1)[: info["length"]]
-        target += np.where(codes == 1, t, np.where(codes == 3, -t, np.float32(0)))
+        bits = np.unpackbits(payload.astype("<i4", copy=False).view(np.uint8), bitorder="little")
+        moved = np.flatnonzero(bits[0:2 * info["length"]:2])
+        target[moved] += np.where(bits[2 * moved + 1].astype(bool), -t, t)
     else:
         raise ValueError(f"unknown message format {info['format']}")
     return target
