@@ -1,12 +1,14 @@
 """Gradient sharing end to end on a real LocalCluster (worker processes)."""
 
 
+import numpy as np
 import optax
 import pytest
 from conftest import MLP, accuracy, kill_at_round, slow_loader
 
 import dlspark
 from dlspark import AdaptiveThreshold, DistributedTrainer, FixedThreshold, GradientSharing
+from dlspark.errors import NonFiniteLossError
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +113,7 @@ def test_tree_mesh_relays_messages_between_three_workers(make_net, digits):
     tr, te = digits
     with local_cluster(3) as cluster, Client(cluster) as client:
         net = _net(make_net)
-        master = _master(mesh="tree", tree_fanout=1, steps_per_round=8)  # a chain: a - b - c
+        master = _master(mesh="tree", tree_fanout=1, steps_per_round=16)  # a chain: a - b - c
         trainer = DistributedTrainer(client, net, master, progress=False)
         trainer.fit(tr, epochs=8)
         stats = trainer.last_fit_stats
@@ -123,3 +125,22 @@ def test_tree_mesh_relays_messages_between_three_workers(make_net, digits):
     assert sum(s["fetched_at_sync"] for s in full) < 0.25 * end_messages
     assert trainer.replica_divergence < 1e-5
     assert accuracy(net, te) >= 0.9
+
+
+def test_a_non_finite_loss_stops_or_skips_as_the_network_says(client2, make_net, digits):
+    tr, _ = digits
+    bad = dlspark.DataSet(np.full_like(tr.features[:64], 1e38), tr.labels[:64])  # the loss overflows to inf
+    net = _net(make_net)
+    before = np.asarray(net.state.params["Dense_0"]["kernel"]).copy()
+    trainer = DistributedTrainer(client2, net, _master(), progress=False)
+    with pytest.raises(NonFiniteLossError, match="loss is inf at iteration 0"):
+        trainer.fit(bad)
+    np.testing.assert_array_equal(np.asarray(net.state.params["Dense_0"]["kernel"]), before)
+    trainer.fit(tr[:64])  # the cluster still trains
+    skipping = make_net(MLP(hidden=128), updater=optax.adam(3e-3), on_nonfinite="skip")
+    trainer = DistributedTrainer(client2, skipping, _master(), progress=False)
+    trainer.fit(dlspark.DataSet(np.concatenate([bad.features, tr.features[:64]]), np.concatenate([bad.labels, tr.labels[:64]])))
+    # the finite minibatches were applied, the others skipped: parameters moved and stay finite
+    kernel = np.asarray(skipping.state.params["Dense_0"]["kernel"])
+    assert np.isfinite(kernel).all() and not np.array_equal(kernel, before)
+    assert all(np.isfinite(loss) for _, _, loss in trainer.loss_history)

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
+from ..errors import NonFiniteLossError
 from ._encoding import BITMAP, EMPTY, decode_into, threshold_encode
 
 __all__ = ["SharingState"]
@@ -26,7 +27,9 @@ _STALE_TIMEOUT = 5.0
 def _sharing_functions(steps, unravel):
     def flat_update(state, batch):
         updates, opt, ms, rng, loss = steps.compute_update(state, batch)
-        return ravel_pytree(updates)[0], opt, ms, rng, loss
+        flat = ravel_pytree(updates)[0]
+        # checked here, fused with the ravel, rather than in one more pass on the host
+        return flat, opt, ms, rng, loss, jnp.isfinite(loss) & jnp.all(jnp.isfinite(flat))
 
     def apply_flat(state, flat, opt, ms, rng):
         return steps.apply_update(state, unravel(flat), opt, ms, rng)
@@ -151,10 +154,15 @@ class SharingState:
         state = job.state
         for done, (n_examples, batch) in enumerate(batches):
             stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
-            flat, opt, ms, rng, loss = self.flat_update(state, batch)
+            flat, opt, ms, rng, loss, finite = self.flat_update(state, batch)
             flat = np.asarray(flat)
-            if not np.isfinite(flat).all():
-                raise FloatingPointError(f"non-finite update at worker step {self.step}; lower the learning rate")
+            if not bool(finite):
+                # The network's policy, as in local and averaged training: stop with the
+                # parameters from before this step, or skip the minibatch.
+                if job.net.on_nonfinite == "skip":
+                    continue
+                job.state = state
+                raise NonFiniteLossError(int(state.step), float(loss))
             self.residual += flat
             t = self.tstate.threshold
             # In place; a step that would move fewer than 2 elements sends an EMPTY note.
