@@ -134,3 +134,25 @@ def test_every_load_runs_on_the_loading_thread():
     assert p.take(42) == 42  # not expected at all
     p.close()
     assert threads == {"dlspark-prefetch"}
+
+
+def test_closing_releases_a_consumer_waiting_for_a_load():
+    gate = threading.Event()
+    p = Prefetcher(Recorder(gate), depth=1)
+    p.expect([1, 2])
+    errors = []
+
+    def consume():
+        try:
+            p.take(1)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.05)
+    p.close()  # a job torn down mid-round: the compute thread must not hang
+    t.join(2)
+    gate.set()
+    assert not t.is_alive()
+    assert len(errors) == 1 and "torn down" in errors[0]

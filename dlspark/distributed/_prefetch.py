@@ -91,9 +91,12 @@ class Prefetcher:
             else:
                 # Loads stay on the loading thread, one at a time: readers such as
                 # numpy's header parser are not safe to run in two threads at once.
-                while not slot.done:
+                while not slot.done and not self._closed:
                     self._cv.wait()
-                self._plan.popleft()
+                if not slot.done:
+                    raise RuntimeError("the job was torn down while its minibatches were loading")
+                if self._plan and self._plan[0] is slot:
+                    self._plan.popleft()
                 self._cv.notify_all()
         if self._thread is None:
             slot.started = True
