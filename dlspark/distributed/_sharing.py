@@ -114,8 +114,8 @@ class SharingState:
         ``peers`` maps each peer to ``(its step counter at round start, its
         minibatches this round)``; a peer that finished its share holds no one back.
         """
-        start = time.monotonic()
-        deadline = start + _STALE_TIMEOUT
+        began = time.monotonic()
+        deadline = began + _STALE_TIMEOUT
 
         def lagging(p):
             start, quota = peers[p]
@@ -126,7 +126,7 @@ class SharingState:
             while True:
                 behind = [p for p in peers if p not in self.gone and lagging(p)]
                 if not behind:
-                    return time.monotonic() - start
+                    return time.monotonic() - began
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.gone.update(behind)  # the round's sync sorts out what they sent
@@ -160,6 +160,7 @@ class SharingState:
                 # The network's policy, as in local and averaged training: stop with the
                 # parameters from before this step, or skip the minibatch.
                 if job.net.on_nonfinite == "skip":
+                    state = state.replace(rng=rng)  # as in train_step: no replay of the same dropout mask
                     continue
                 job.state = state
                 raise NonFiniteLossError(int(state.step), float(loss))
