@@ -21,8 +21,8 @@ def _vector(sparsity, n=N):
     return r, t
 
 
-def _best(fn, repeat=7):
-    return min(timeit.repeat(fn, number=1, repeat=repeat))
+def _best(fn, repeat=7, setup=lambda: None):
+    return min(timeit.repeat(fn, setup=setup, number=1, repeat=repeat))
 
 
 def measure(sparsity, n=N):
@@ -33,8 +33,7 @@ def measure(sparsity, n=N):
     # Each timed call starts from the same residual (restored outside the clock):
     # encoding one vector again and again would time ever emptier encodes.
     work, scratch = r.copy(), (np.empty_like(r), np.empty(n, bool))
-    enc = min(timeit.repeat(lambda: threshold_encode(work, t, out=work, scratch=scratch),
-                            setup=lambda: np.copyto(work, r), number=1, repeat=7))
+    enc = _best(lambda: threshold_encode(work, t, out=work, scratch=scratch), setup=lambda: np.copyto(work, r))
     pure = _best(lambda: threshold_encode(r, t))
     msg = threshold_encode(r, t).message
     dec = _best(lambda: decode(msg))

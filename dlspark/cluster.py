@@ -98,7 +98,8 @@ def local_cluster(n_workers: int | None = None, *, devices=None, **kwargs):
 
     Worker processes are spawned (not forked: JAX is not fork-safe), each with
     one compute thread; on a GPU machine each worker is given one GPU (its
-    ``CUDA_VISIBLE_DEVICES``), with JAX's memory preallocation off.
+    ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES`` on ROCm), with JAX's
+    memory preallocation off.
 
     Parameters
     ----------
@@ -118,10 +119,9 @@ def local_cluster(n_workers: int | None = None, *, devices=None, **kwargs):
     import dask
     from distributed import LocalCluster
 
-    if devices is None:
-        platform, devices = gpu_devices()
-    else:
-        platform, devices = "cuda", [str(d) for d in devices]
+    platform, found = gpu_devices()
+    devices = found if devices is None else [str(d) for d in devices]
+    platform = platform or "cuda"
     n = (len(devices) or default_worker_count()) if n_workers is None else int(n_workers)
     if n < 1:
         raise ValueError(f"n_workers must be >= 1, got {n_workers!r}")

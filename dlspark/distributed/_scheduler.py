@@ -53,7 +53,6 @@ class _JobRunner:
         self.stats: list = []
         self.gs_steps: dict = {}  # gradient sharing: each worker's message counter
         self.threshold_states: dict = {}
-        self._hint: dict = {}
         self.cancelled = False
         self.task = asyncio.ensure_future(self._main())
 
@@ -189,10 +188,11 @@ class _JobRunner:
             if every and plan.round % every == 0 and self.live:
                 await self._checkpoint()
 
-    def _fit_kw(self, plan, w, **extra):
-        # ``next_refs``: what this worker will probably fit next round, for its prefetcher.
+    def _fit_kw(self, plan, hint, w, **extra):
+        # ``next_refs``: what this worker will probably fit next round (``hint``, from
+        # Coordinator.peek_round), for its prefetcher.
         return {"round": plan.round, "epoch": self.options["base_epoch"] + plan.epoch,
-                "refs": plan.assignment[w], "next_refs": self._hint.get(w, []), **extra}
+                "refs": plan.assignment[w], "next_refs": hint.get(w, []), **extra}
 
     async def _averaging_round(self, plan):
         """Every active worker fits and then averages with the round's other contributors,
@@ -200,10 +200,10 @@ class _JobRunner:
         scheduler steps in again only when a contributor was lost."""
         active = [w for w in plan.assignment if plan.assignment[w]]
         expected = plan.contributors
-        self._hint = self.coord.peek_round(self.live)
+        hint = self.coord.peek_round(self.live)
         idle = [w for w in sorted(self.live) if w not in plan.assignment or not plan.assignment[w]]
         (fits, _), (idle_avgs, _) = await asyncio.gather(
-            self._each(active, "fit", lambda w: self._fit_kw(plan, w, average_with=expected)),
+            self._each(active, "fit", lambda w: self._fit_kw(plan, hint, w, average_with=expected)),
             self._each(idle, "average", lambda w: {"round": plan.round, "contributors": expected}),
         )
         avgs = {**{w: f.pop("averaged", None) for w, f in fits.items()}, **idle_avgs}
@@ -235,9 +235,9 @@ class _JobRunner:
         # Tree mesh: the round's active workers relay to tree neighbours only;
         # idle workers catch up in the sync below.
         links = tree_links(active, self.options["tree_fanout"]) if self.options.get("mesh") == "tree" else {}
-        self._hint = self.coord.peek_round(self.live)
+        hint = self.coord.peek_round(self.live)
         fits, _ = await self._each(active, "fit",
-                                   lambda w: self._fit_kw(plan, w, peers=peers, links=links.get(w)))
+                                   lambda w: self._fit_kw(plan, hint, w, peers=peers, links=links.get(w)))
         contributors = [w for w in plan.contributors if w in fits and w in self.live]
         while True:
             receivers = sorted(self.live)
