@@ -320,18 +320,19 @@ class DistributedTrainer:
 
     def _resume(self, url, epochs):
         self.network.restore(url)
-        prog = read_checkpoint_meta(url).get("fit_progress")
+        meta = read_checkpoint_meta(url)
+        prog = meta.get("fit_progress")
         if prog is None:
-            return epochs, ()
+            return epochs, (), None
         if prog.get("epochs_total") != epochs:
             raise CheckpointError(url, f"was written by a fit of {prog.get('epochs_total')} epochs; resume with epochs={prog.get('epochs_total')}")
-        return epochs - prog["epoch"], prog["done"]
+        return epochs - prog["epoch"], prog["done"], meta.get("worker_rngs")
 
     def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url, resume_from,
              callbacks, progress):
-        skip = ()
+        skip, worker_rngs = (), None
         if resume_from is not None:
-            epochs, skip = self._resume(resume_from, epochs)
+            epochs, skip, worker_rngs = self._resume(resume_from, epochs)
             if epochs <= 0:
                 return self.network
         net, client = self.network, self.client
@@ -340,7 +341,7 @@ class DistributedTrainer:
         spec = cloudpickle.dumps({"definition": net.definition(), "network_token": net.token,
                                   "master": self.master, "refs": refs,
                                   "loader": loader, "storage_options": storage_options,
-                                  "threshold_state": self.threshold_state})
+                                  "threshold_state": self.threshold_state, "worker_rngs": worker_rngs})
         state = state_to_bytes(net.state)
         base_step, base_epoch = net.iteration, net.epoch
         options = {"algorithm": self.master.algorithm, "mesh": getattr(self.master, "mesh", None),

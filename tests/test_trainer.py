@@ -192,17 +192,19 @@ def test_memory_urls_and_bad_paths_fail_clearly_and_leave_the_cluster_usable(cli
     assert trainer.network.iteration == before + 8
 
 
-def test_checkpoint_and_resume_equal_an_uninterrupted_run(client2, make_net, digits, tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_checkpoint_and_resume_equal_an_uninterrupted_run(client2, make_net, digits, tmp_path, dropout):
+    # With dropout every worker draws its own masks: the checkpoint keeps each worker's RNG.
     tr, _ = digits
     data = tr[:640]  # 20 minibatches of 32: 5 rounds of 2 workers x 2 per epoch
     url = str(tmp_path / "ck.dls")
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2)
-    straight = make_net(updater=optax.adam(1e-2))
+    straight = make_net(MLP(dropout=dropout), updater=optax.adam(1e-2))
     DistributedTrainer(client2, straight, master, progress=False).fit(data, epochs=2, checkpoint_every=7,
                                                                        checkpoint_url=url)
     saved = dlspark.Network.load(url)
     assert saved.iteration == 28 and saved.epoch == 1  # written after round 7 (epoch 2, round 2)
-    resumed = make_net(updater=optax.adam(1e-2))
+    resumed = make_net(MLP(dropout=dropout), updater=optax.adam(1e-2))
     DistributedTrainer(client2, resumed, master, progress=False).fit(data, epochs=2, resume_from=url)
     _close(resumed.state.params, straight.state.params)
     _close(resumed.state.opt_state, straight.state.opt_state)

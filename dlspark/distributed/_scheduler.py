@@ -271,11 +271,16 @@ class _JobRunner:
     async def _checkpoint(self):
         opts = self.options
         progress = {**self.coord.progress(), "epochs_total": self.coord.epochs}
-        for addr in sorted(self.live):
+        # Each worker's RNG, in the order rounds are assigned (sorted addresses): a resumed
+        # fit gives the worker in each position the dropout stream it would have had.
+        rngs, _ = await self._each(sorted(self.live), "rng", lambda w: {})
+        worker_rngs = [rngs[w]["rng"] for w in sorted(rngs)]
+        for addr in sorted(rngs):
             try:
                 await self._call(addr, "checkpoint", url=opts["checkpoint_url"],
                                  step=opts["base_step"] + self.coord.trained_total,
-                                 epoch=opts["base_epoch"] + self.coord.epoch, progress=progress)
+                                 epoch=opts["base_epoch"] + self.coord.epoch, progress=progress,
+                                 worker_rngs=worker_rngs)
                 self._emit({"event": "checkpoint", "url": opts["checkpoint_url"], "round": self.coord.round})
                 return
             except _WorkerLost:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DlsparkWorkerPlugin"]
 
-_HANDLERS = ("setup", "join", "fit", "contribution", "average", "state", "checkpoint", "teardown",
+_HANDLERS = ("setup", "join", "fit", "contribution", "average", "state", "rng", "checkpoint", "teardown",
              "gs_push", "gs_have", "gs_sync", "gs_get", "gs_next")
 
 
@@ -74,7 +74,10 @@ class _Job:
         self.master = spec["master"]
         self.net = _cached_network(spec["definition"], spec["network_token"])
         state = state_from_bytes(state_bytes, self.net.state)
-        if rank > 0:  # decorrelate dropout and the like across replicas
+        saved_rngs = spec.get("worker_rngs") or ()
+        if rank < len(saved_rngs):  # resumed: this position's RNG when the checkpoint was written
+            state = state.replace(rng=jnp.asarray(np.asarray(saved_rngs[rank], dtype=np.asarray(state.rng).dtype)))
+        elif rank > 0:  # decorrelate dropout and the like across replicas
             state = state.replace(rng=jax.random.fold_in(state.rng, rank))
         self.state = state
         self.rank = rank
@@ -394,12 +397,20 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
         return {"state": await self._run(j, dump)}
 
-    async def _checkpoint(self, job: str, url: str, step: int, epoch: int, progress: dict):
+    async def _rng(self, job: str):
+        j = self._job(job)
+        return {"rng": await self._run(j, lambda: np.asarray(j.state.rng).tolist())}
+
+    async def _checkpoint(self, job: str, url: str, step: int, epoch: int, progress: dict,
+                          worker_rngs: list | None = None):
+        """Write this worker's state; ``worker_rngs`` (every live worker's RNG, in the order
+        rounds are assigned) lets a resumed fit give each worker the dropout stream it had."""
         j = self._job(job)
 
         def write():
             st = j.state.replace(step=jnp.asarray(step, jnp.int32), epoch=jnp.asarray(epoch, jnp.int32))
-            extra = {"iteration": step, "epoch": epoch, "seed": j.net.seed, "fit_progress": progress}
+            extra = {"iteration": step, "epoch": epoch, "seed": j.net.seed, "fit_progress": progress,
+                     "worker_rngs": worker_rngs}
             write_bytes(url, state_to_bytes(st, extra, j.net.definition()), **(j.spec.get("checkpoint_options") or {}))
 
         await self._run(j, write)
