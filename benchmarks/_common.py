@@ -66,6 +66,38 @@ def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60):
     return sum(rates) / len(rates)
 
 
+def _step_loop(kind, batch_size, steps):
+    """Steps/s of the plain jitted step, run where this is called (a worker, for the bound below)."""
+    import time
+
+    import jax
+
+    net = make_network(kind)
+    batch = jax.tree_util.tree_map(jax.numpy.asarray, make_data(batch_size, kind).jit_batch())
+    st = net.state
+    for _ in range(5):
+        st, loss, _ = net.steps.train_step(st, batch)
+    loss.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        st, loss, _ = net.steps.train_step(st, batch)
+    loss.block_until_ready()
+    return steps / (time.perf_counter() - t0)
+
+
+def in_cluster_steps_per_second(client, kind, batch_size, steps=150):
+    """Mean steps/s of the plain step run as a task on every worker at once: what a job would get
+    with no distributed-training work at all (no data loading, averaging or messages), the
+    bound set by the cluster itself (scheduler, event loops, nannies) on this machine."""
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
+    workers = sorted(client.scheduler_info()["workers"])
+    futures = [client.submit(_step_loop, kind, batch_size, steps, workers=[w], pure=False) for w in workers]
+    rates = client.gather(futures)
+    return sum(rates) / len(rates)
+
+
 def _plain_command(kind, batch_size, steps, core):
     code = textwrap.dedent(f"""
         import os, sys, time

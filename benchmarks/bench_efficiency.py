@@ -4,7 +4,10 @@ efficiency = (steps/s of one worker inside the job) / (steps/s of the same
 jitted step in a plain process pinned to one core). Each worker is pinned to
 one core too. Both sides are measured in the same run. A second figure,
 ``efficiency_vs_concurrent``, divides by plain processes run side by side on
-the workers' cores, so that the machine is as loaded as during the job.
+the workers' cores, so that the machine is as loaded as during the job. A
+third, ``cluster_bound``, is the same plain step run as a task in both workers
+at once, over the plain process: the efficiency of a job that did no
+distributed-training work at all, i.e. what the cluster itself leaves.
 Print them with ``python benchmarks/bench_efficiency.py [averaging|sharing] [mlp|cnn]``.
 """
 
@@ -14,8 +17,8 @@ import timeit
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import (make_data, make_master, make_network, plain_concurrent_steps_per_second,  # noqa: E402
-                     plain_steps_per_second)
+from _common import (in_cluster_steps_per_second, make_data, make_master, make_network,  # noqa: E402
+                     plain_concurrent_steps_per_second, plain_steps_per_second)
 
 #: network -> minibatch size giving a plain step of roughly 10-13 ms on one core here
 BATCH = {"mlp": 160, "cnn": 16}
@@ -48,12 +51,13 @@ def measure(kind="mlp", n_rounds=40, workers=2, freq=FREQ, approach="export", al
         avg = sum(s["avg_time"] for s in stats)
         fetch = sum(s["fetch_time"] for s in stats)
         trainer.close()
+        bound = in_cluster_steps_per_second(client, kind, batch)
     job_rate = steps / wall
     after, cpu = plain_steps_per_second(kind, batch)
     plain_rate = (before + after) / 2
     concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(workers)))
     return {"algorithm": algorithm, "network": kind, "params": net.num_params, "job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": job_rate / plain_rate,
-            "efficiency_vs_concurrent": job_rate / concurrent,
+            "efficiency_vs_concurrent": job_rate / concurrent, "cluster_bound": bound / plain_rate,
             "plain_step_ms": 1000 / plain_rate, "plain_drift": after / before, "plain_cpu_per_wall": cpu,
             "fit_share": fit / wall, "avg_share": avg / wall, "fetch_share": fetch / wall}
 
