@@ -326,6 +326,12 @@ class DistributedTrainer:
             return epochs, (), None
         if prog.get("epochs_total") != epochs:
             raise CheckpointError(url, f"was written by a fit of {prog.get('epochs_total')} epochs; resume with epochs={prog.get('epochs_total')}")
+        saved = meta.get("threshold_states")
+        if saved and self.master.algorithm == "sharing":
+            from .distributed import ThresholdState
+
+            # gradient sharing goes on from the threshold the workers had reached
+            self.threshold_state = self.master.threshold_algorithm.reduce([ThresholdState(*s) for s in saved])
         return epochs - prog["epoch"], prog["done"], meta.get("worker_rngs")
 
     def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url, resume_from,

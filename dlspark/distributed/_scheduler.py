@@ -280,7 +280,9 @@ class _JobRunner:
                 await self._call(addr, "checkpoint", url=opts["checkpoint_url"],
                                  step=opts["base_step"] + self.coord.trained_total,
                                  epoch=opts["base_epoch"] + self.coord.epoch, progress=progress,
-                                 worker_rngs=worker_rngs)
+                                 worker_rngs=worker_rngs,
+                                 threshold_states=[list(self.threshold_states[w]) for w in sorted(self.live)
+                                                   if w in self.threshold_states])
                 self._emit({"event": "checkpoint", "url": opts["checkpoint_url"], "round": self.coord.round})
                 return
             except _WorkerLost:

@@ -402,15 +402,16 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         return {"rng": await self._run(j, lambda: np.asarray(j.state.rng).tolist())}
 
     async def _checkpoint(self, job: str, url: str, step: int, epoch: int, progress: dict,
-                          worker_rngs: list | None = None):
+                          worker_rngs: list | None = None, threshold_states: list | None = None):
         """Write this worker's state; ``worker_rngs`` (every live worker's RNG, in the order
-        rounds are assigned) lets a resumed fit give each worker the dropout stream it had."""
+        rounds are assigned) lets a resumed fit give each worker the dropout stream it had,
+        and ``threshold_states`` (gradient sharing) the threshold it had reached."""
         j = self._job(job)
 
         def write():
             st = j.state.replace(step=jnp.asarray(step, jnp.int32), epoch=jnp.asarray(epoch, jnp.int32))
             extra = {"iteration": step, "epoch": epoch, "seed": j.net.seed, "fit_progress": progress,
-                     "worker_rngs": worker_rngs}
+                     "worker_rngs": worker_rngs, "threshold_states": threshold_states}
             write_bytes(url, state_to_bytes(st, extra, j.net.definition()), **(j.spec.get("checkpoint_options") or {}))
 
         await self._run(j, write)
