@@ -326,13 +326,19 @@ class DistributedTrainer:
             return epochs, (), None
         if prog.get("epochs_total") != epochs:
             raise CheckpointError(url, f"was written by a fit of {prog.get('epochs_total')} epochs; resume with epochs={prog.get('epochs_total')}")
-        saved = meta.get("threshold_states")
-        if saved and self.master.algorithm == "sharing":
-            from .distributed import ThresholdState
-
-            # gradient sharing goes on from the threshold the workers had reached
-            self.threshold_state = self.master.threshold_algorithm.reduce([ThresholdState(*s) for s in saved])
-        return epochs - prog["epoch"], prog["done"], meta.get("worker_rngs")
+        rngs = meta.get("worker_rngs") or []
+        want = np.shape(np.asarray(self.network.state.rng))
+        if any(np.shape(r) != want for r in rngs):
+            raise CheckpointError(url, f"holds worker RNG keys of shape {np.shape(rngs[0])}, this network's are "
+                                       f"{want}: resume with the PRNG implementation that wrote it")
+        saved = meta.get("threshold_states") or {}
+        if (self.master.algorithm == "sharing" and saved.get("states")
+                and saved.get("algorithm") == repr(self.master.threshold_algorithm)):
+            # Gradient sharing goes on from the threshold the workers had reached (with
+            # the same threshold algorithm; a new one starts from its own initial value).
+            states = [ThresholdState(*(float("nan") if x is None else x for x in st)) for st in saved["states"]]
+            self.threshold_state = self.master.threshold_algorithm.reduce(states)
+        return epochs - prog["epoch"], prog["done"], rngs
 
     def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url, resume_from,
              callbacks, progress):
@@ -355,7 +361,8 @@ class DistributedTrainer:
                    "steps_per_round": self.master.steps_per_round, "repartition": self.master.repartition,
                    "repartition_strategy": self.master.repartition_strategy, "skip": list(skip),
                    "base_epoch": base_epoch, "base_step": base_step,
-                   "checkpoint_every": checkpoint_every, "checkpoint_url": checkpoint_url}
+                   "checkpoint_every": checkpoint_every, "checkpoint_url": checkpoint_url,
+                   "threshold_algorithm": repr(getattr(self.master, "threshold_algorithm", None))}
         bar = self._progress_bar(progress, epochs * len(refs) - len(skip))
 
         def on_event(event):

@@ -81,12 +81,18 @@ def test_resume_goes_on_from_the_checkpointed_threshold(client2, make_net, digit
     master = _master(encoding_debug=True, steps_per_round=4)
     trainer = DistributedTrainer(client2, _net(make_net), master, progress=False)
     trainer.fit(tr[:640], epochs=2, checkpoint_every=3, checkpoint_url=url)  # 5 rounds an epoch
-    saved = dlspark.checkpoint.read_checkpoint_meta(url)["threshold_states"]
+    saved = dlspark.checkpoint.read_checkpoint_meta(url)["threshold_states"]["states"]
     assert len(saved) == 2 and saved[0][0] != pytest.approx(1e-2)
     resumed = DistributedTrainer(client2, _net(make_net), master, progress=False)
     resumed.fit(tr[:640], epochs=2, resume_from=url)
     starts = [steps[0]["threshold"] for steps in resumed.last_fit_stats[0]["encoding_debug"].values()]
     assert starts == pytest.approx([np.mean([s[0] for s in saved])] * len(starts))
+    # another threshold algorithm starts from its own value, not the saved one
+    fixed = _master(encoding_debug=True, steps_per_round=4, threshold_algorithm=FixedThreshold(5e-3))
+    other = DistributedTrainer(client2, _net(make_net), fixed, progress=False)
+    other.fit(tr[:640], epochs=2, resume_from=url)
+    starts = [steps[0]["threshold"] for steps in other.last_fit_stats[0]["encoding_debug"].values()]
+    assert starts == pytest.approx([5e-3] * len(starts))
 
 
 def test_fixed_threshold_sends_exactly_the_crossing_elements(client2, make_net, digits):

@@ -211,6 +211,28 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run(client2, make_net, dig
     assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (40, 2)
 
 
+def test_resume_refuses_worker_rngs_of_another_prng(client2, make_net, digits, tmp_path):
+    import json
+    import zipfile
+
+    from dlspark.errors import CheckpointError
+
+    tr, _ = digits
+    url = tmp_path / "ck.dls"
+    make_net().save(str(url))
+    with zipfile.ZipFile(url) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    meta = json.loads(members["dlspark.json"])
+    meta.update(fit_progress={"epoch": 0, "done": [], "epochs_total": 1}, worker_rngs=[[1, 2, 3, 4]] * 2)
+    members["dlspark.json"] = json.dumps(meta).encode()
+    with zipfile.ZipFile(url, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    trainer = DistributedTrainer(client2, make_net(), ParameterAveraging(batch_size_per_worker=32), progress=False)
+    with pytest.raises(CheckpointError, match=r"shape \(4,\).*\(2,\)"):
+        trainer.fit(tr[:64], resume_from=str(url))
+
+
 def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(client2, make_net, digits, tmp_path):
     tr, te = digits
     on_round, killed = kill_at_round(client2, 3)

@@ -13,6 +13,7 @@ import time
 import traceback
 
 import cloudpickle
+import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from ..errors import JobFailedError
@@ -274,15 +275,20 @@ class _JobRunner:
         # Each worker's RNG, in the order rounds are assigned (sorted addresses): a resumed
         # fit gives the worker in each position the dropout stream it would have had.
         rngs, _ = await self._each(sorted(self.live), "rng", lambda w: {})
-        worker_rngs = [rngs[w]["rng"] for w in sorted(rngs)]
+        # Gradient sharing: the thresholds reached, with the algorithm that reached them
+        # (JSON has no NaN: a worker that has not stepped yet has no last sparsity).
+        thresholds = {"algorithm": opts.get("threshold_algorithm"),
+                      "states": [[x if np.isfinite(x) else None for x in self.threshold_states[w]]
+                                 for w in sorted(self.live) if w in self.threshold_states]}
         for addr in sorted(rngs):
+            if addr not in self.live:
+                continue
             try:
                 await self._call(addr, "checkpoint", url=opts["checkpoint_url"],
                                  step=opts["base_step"] + self.coord.trained_total,
                                  epoch=opts["base_epoch"] + self.coord.epoch, progress=progress,
-                                 worker_rngs=worker_rngs,
-                                 threshold_states=[list(self.threshold_states[w]) for w in sorted(self.live)
-                                                   if w in self.threshold_states])
+                                 worker_rngs=[rngs[w]["rng"] for w in sorted(rngs) if w in self.live],
+                                 threshold_states=thresholds)
                 self._emit({"event": "checkpoint", "url": opts["checkpoint_url"], "round": self.coord.round})
                 return
             except _WorkerLost:

@@ -402,10 +402,11 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         return {"rng": await self._run(j, lambda: np.asarray(j.state.rng).tolist())}
 
     async def _checkpoint(self, job: str, url: str, step: int, epoch: int, progress: dict,
-                          worker_rngs: list | None = None, threshold_states: list | None = None):
+                          worker_rngs: list | None = None, threshold_states: dict | None = None):
         """Write this worker's state; ``worker_rngs`` (every live worker's RNG, in the order
         rounds are assigned) lets a resumed fit give each worker the dropout stream it had,
-        and ``threshold_states`` (gradient sharing) the threshold it had reached."""
+        and ``threshold_states`` (gradient sharing: the algorithm and each worker's state)
+        the threshold they had reached."""
         j = self._job(job)
 
         def write():
