@@ -9,7 +9,7 @@ import timeit
 
 import numpy as np
 
-from dlspark.distributed._encoding import decode, threshold_encode
+from dlspark.distributed._encoding import decode, encode_scratch, threshold_encode
 
 N = 4_000_000
 
@@ -32,7 +32,7 @@ def measure(sparsity, n=N):
     # The worker's hot path: the residual is updated in place, scratch buffers reused.
     # Each timed call starts from the same residual (restored outside the clock):
     # encoding one vector again and again would time ever emptier encodes.
-    work, scratch = r.copy(), (np.empty_like(r), np.empty(n, bool))
+    work, scratch = r.copy(), encode_scratch(n)
     enc = _best(lambda: threshold_encode(work, t, out=work, scratch=scratch), setup=lambda: np.copyto(work, r))
     pure = _best(lambda: threshold_encode(r, t))
     msg = threshold_encode(r, t).message

@@ -4,8 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dlspark.distributed._encoding import (BITMAP, HEADER_WORDS, SPARSE, bitmap_words, decode, message_info,
-                                           threshold_encode)
+from dlspark.distributed import _encoding
+from dlspark.distributed._encoding import (BITMAP, HEADER_WORDS, SPARSE, bitmap_words, decode, encode_scratch,
+                                           message_info, threshold_encode)
 from dlspark.distributed._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing,
                                              ResidualClipping, TargetSparsityThreshold, ThresholdState)
 
@@ -120,7 +121,7 @@ def test_in_place_with_scratch_equals_pure_and_min_count_leaves_residual_alone()
     r = np.random.default_rng(1).normal(0, 1, 5000).astype(np.float32)
     pure = threshold_encode(r, 1.5)
     work = r.copy()
-    scratch = (np.empty_like(r), np.empty(r.size, bool))
+    scratch = encode_scratch(r.size)
     inplace = threshold_encode(work, 1.5, out=work, scratch=scratch)
     np.testing.assert_array_equal(pure.message, inplace.message)
     np.testing.assert_array_equal(work, pure.residual)
@@ -129,3 +130,19 @@ def test_in_place_with_scratch_equals_pure_and_min_count_leaves_residual_alone()
     enc = threshold_encode(one, 1.0, out=one, min_count=2)
     assert enc.format == 0 and enc.count == 0 and one[7] == 3.0
     assert not decode(enc.message).any()
+
+
+@pytest.mark.parametrize("sparsity", [1e-3, 0.3])
+def test_blockwise_scan_equals_one_block(monkeypatch, sparsity):
+    # The scan runs block by block; hits on block edges and a short last block must give
+    # the same message and residual as one scan over the whole vector.
+    r = np.random.default_rng(2).normal(0, 1, 1000).astype(np.float32)
+    t = float(np.quantile(np.abs(r), 1 - sparsity))
+    r[[63, 64, 127, 128, 999]] = [2 * t, -3 * t, t, -t, 5 * t]
+    whole = threshold_encode(r, t)
+    monkeypatch.setattr(_encoding, "_BLOCK", 64)
+    blocks = threshold_encode(r, t, scratch=encode_scratch(r.size))
+    np.testing.assert_array_equal(blocks.message, whole.message)
+    np.testing.assert_array_equal(blocks.residual, whole.residual)
+    with pytest.raises(ValueError, match="scratch buffers must hold 64 elements"):
+        threshold_encode(r, t, scratch=(np.empty(10, np.float32), np.empty(10, bool)))

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "Encoded", "threshold_encode", "decode", "decode_into",
-           "message_info", "bitmap_words"]
+           "message_info", "bitmap_words", "encode_scratch", "scratch_size"]
 
 EMPTY, SPARSE, BITMAP = 0, 1, 2
 HEADER_WORDS = 4
@@ -56,6 +56,22 @@ def message_info(message: np.ndarray) -> dict:
             "threshold": float(message[3:4].view(np.float32)[0]), "bytes": int(message.nbytes)}
 
 
+#: Elements handled at a time by :func:`threshold_encode` (2 MiB of float32):
+#: measured fastest here among 2**13 to 2**21.
+_BLOCK = 1 << 19
+
+
+def scratch_size(length: int) -> int:
+    """Elements each :func:`threshold_encode` scratch buffer needs for a vector of ``length``."""
+    return max(1, min(int(length), _BLOCK))
+
+
+def encode_scratch(length: int) -> tuple:
+    """Reusable scratch buffers for encoding vectors of ``length`` elements."""
+    n = scratch_size(length)
+    return np.empty(n, np.float32), np.empty(n, bool)
+
+
 def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray | None = None,
                      scratch: tuple | None = None, min_count: int = 0) -> Encoded:
     """Move every element with ``|r| >= threshold`` by ``threshold`` into a message.
@@ -70,7 +86,8 @@ def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray 
         Where the new residual goes; pass ``residual`` itself to update it in
         place (the worker's hot path: no full-size copy).
     scratch : (float32 vector, bool vector), optional
-        Reusable buffers of the residual's length, to avoid allocating per call.
+        Reusable buffers of at least :func:`scratch_size` elements (see
+        :func:`encode_scratch`), to avoid allocating per call.
     min_count : int
         With fewer moved elements than this, nothing moves: the message is
         ``EMPTY`` and the residual is left as it is (DL4J sends no message of
@@ -83,10 +100,20 @@ def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray 
     if not (np.isfinite(t) and t > 0):
         raise ValueError(f"threshold must be a positive finite number, got {threshold!r}")
     n = r.size
-    absr, mask = scratch if scratch is not None else (np.empty(n, np.float32), np.empty(n, bool))
-    np.abs(r, out=absr)
-    np.greater_equal(absr, t, out=mask)
-    idx = np.flatnonzero(mask)
+    absr, mask = scratch if scratch is not None else encode_scratch(n)
+    if min(absr.size, mask.size) < scratch_size(n):
+        raise ValueError(f"scratch buffers must hold {scratch_size(n)} elements, got {absr.size} and {mask.size}")
+    # Block by block, so that |r| and the mask stay in cache: one read of the
+    # residual from memory instead of three passes over full-size temporaries.
+    hits = []
+    for start in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - start)
+        np.abs(r[start:start + m], out=absr[:m])
+        np.greater_equal(absr[:m], t, out=mask[:m])
+        hit = np.flatnonzero(mask[:m])
+        if hit.size:
+            hits.append(hit + start if start else hit)
+    idx = np.concatenate(hits) if hits else np.empty(0, np.intp)
     vals = r[idx]
     q = np.where(vals > 0, t, -t).astype(np.float32)
     new = vals - q

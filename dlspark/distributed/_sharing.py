@@ -17,7 +17,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from ..errors import NonFiniteLossError
-from ._encoding import BITMAP, EMPTY, decode_into, threshold_encode
+from ._encoding import BITMAP, EMPTY, decode_into, encode_scratch, threshold_encode
 
 __all__ = ["SharingState"]
 
@@ -52,7 +52,7 @@ class SharingState:
         flat, self.unravel = ravel_pytree(job.state.params)
         self.n = int(flat.size)
         self.residual = np.zeros(self.n, np.float32)
-        self.scratch = (np.empty(self.n, np.float32), np.empty(self.n, bool))
+        self.scratch = encode_scratch(self.n)
         self.tstate = job.spec.get("threshold_state") or self.algo.init()
         self.step = 0  # this worker's message counter
         self.lock = threading.Condition()
