@@ -319,18 +319,20 @@ class DistributedTrainer:
             _reject_memory(checkpoint_url, "checkpoint_url")
 
     def _resume(self, url, epochs):
-        self.network.restore(url)
+        # Everything is checked before the network takes the checkpoint's state: a refused
+        # resume leaves the network as it was.
         meta = read_checkpoint_meta(url)
         prog = meta.get("fit_progress")
-        if prog is None:
-            return epochs, (), None
-        if prog.get("epochs_total") != epochs:
+        if prog is not None and prog.get("epochs_total") != epochs:
             raise CheckpointError(url, f"was written by a fit of {prog.get('epochs_total')} epochs; resume with epochs={prog.get('epochs_total')}")
         rngs = meta.get("worker_rngs") or []
         want = np.shape(np.asarray(self.network.state.rng))
         if any(np.shape(r) != want for r in rngs):
             raise CheckpointError(url, f"holds worker RNG keys of shape {np.shape(rngs[0])}, this network's are "
                                        f"{want}: resume with the PRNG implementation that wrote it")
+        self.network.restore(url)
+        if prog is None:
+            return epochs, (), None
         saved = meta.get("threshold_states") or {}
         if (self.master.algorithm == "sharing" and saved.get("states")
                 and saved.get("algorithm") == repr(self.master.threshold_algorithm)):

@@ -228,9 +228,12 @@ def test_resume_refuses_worker_rngs_of_another_prng(client2, make_net, digits, t
     with zipfile.ZipFile(url, "w") as z:
         for name, data in members.items():
             z.writestr(name, data)
-    trainer = DistributedTrainer(client2, make_net(), ParameterAveraging(batch_size_per_worker=32), progress=False)
+    net = make_net(seed=3)
+    before = jax.tree_util.tree_map(np.asarray, net.state.params)
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32), progress=False)
     with pytest.raises(CheckpointError, match=r"shape \(4,\).*\(2,\)"):
         trainer.fit(tr[:64], resume_from=str(url))
+    _close(net.state.params, before, rtol=0, atol=0)  # a refused resume leaves the network as it was
 
 
 def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(client2, make_net, digits, tmp_path):

@@ -57,7 +57,7 @@ def message_info(message: np.ndarray) -> dict:
 
 
 #: Elements handled at a time by :func:`threshold_encode` (2 MiB of float32):
-#: measured fastest here among 2**13 to 2**21.
+#: measured fastest here among 2**13 to 2**22.
 _BLOCK = 1 << 19
 
 
