@@ -1,8 +1,11 @@
 """Threshold encoding throughput next to a memory copy of the same bytes.
 
 The figure is the ratio: encoding elements/s over copy elements/s, both
-measured here in the same process on the same vector. Print it with
-``python benchmarks/bench_encoding.py``.
+measured here in the same process on the same vector. Two lengths: 4 M
+elements (16 MB, which a large last-level cache holds, so the copy runs at
+cache speed) and 64 M elements (256 MB, past any cache: the copy runs at
+memory speed, as it does for a network of that many parameters). Print them
+with ``python benchmarks/bench_encoding.py``.
 """
 
 import timeit
@@ -12,6 +15,7 @@ import numpy as np
 from dlspark.distributed._encoding import decode, encode_scratch, threshold_encode
 
 N = 4_000_000
+LENGTHS = (N, 64_000_000)
 
 
 def _vector(sparsity, n=N):
@@ -44,18 +48,20 @@ def measure(sparsity, n=N):
 class Encoding:
     """asv: encoding and decoding speed as a fraction of memory-copy speed."""
 
-    params = [1e-4, 1e-3, 1e-2, 1e-1]
-    param_names = ["sparsity"]
+    params = [[1e-4, 1e-3, 1e-2, 1e-1], list(LENGTHS)]
+    param_names = ["sparsity", "length"]
     unit = "ratio"
+    timeout = 300
 
-    def track_encode_over_copy(self, sparsity):
-        return measure(sparsity)["encode_over_copy"]
+    def track_encode_over_copy(self, sparsity, length):
+        return measure(sparsity, length)["encode_over_copy"]
 
-    def track_decode_over_copy(self, sparsity):
-        return measure(sparsity)["decode_over_copy"]
+    def track_decode_over_copy(self, sparsity, length):
+        return measure(sparsity, length)["decode_over_copy"]
 
 
 if __name__ == "__main__":
-    for s in Encoding.params:
-        r = measure(s)
-        print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    for n in LENGTHS:
+        for s in Encoding.params[0]:
+            r = measure(s, n)
+            print(f"length={n} " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
