@@ -67,7 +67,8 @@ def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60):
 
 
 def _step_loop(kind, batch_size, steps):
-    """Steps/s of the plain jitted step, run where this is called (a worker, for the bound below)."""
+    """``(steps/s, process CPU time per wall time)`` of the plain jitted step, run where this is
+    called: in a fresh pinned process (the baseline) or in a worker (the bound below)."""
     import time
 
     import jax
@@ -78,11 +79,12 @@ def _step_loop(kind, batch_size, steps):
     for _ in range(5):
         st, loss, _ = net.steps.train_step(st, batch)
     loss.block_until_ready()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(steps):
         st, loss, _ = net.steps.train_step(st, batch)
     loss.block_until_ready()
-    return steps / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    return steps / wall, (time.process_time() - c0) / wall
 
 
 def in_cluster_steps_per_second(client, kind, batch_size, steps=150):
@@ -94,30 +96,17 @@ def in_cluster_steps_per_second(client, kind, batch_size, steps=150):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
     workers = sorted(client.scheduler_info()["workers"])
     futures = [client.submit(_step_loop, kind, batch_size, steps, workers=[w], pure=False) for w in workers]
-    rates = client.gather(futures)
+    rates = [rate for rate, _ in client.gather(futures)]
     return sum(rates) / len(rates)
 
 
 def _plain_command(kind, batch_size, steps, core):
     code = textwrap.dedent(f"""
-        import os, sys, time
-        os.sched_setaffinity(0, {{{core}}})
+        import os, sys
+        os.sched_setaffinity(0, {{{core}}})  # before JAX starts: its CPU pool sizes itself to the cores
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import jax, numpy as np
-        from _common import make_network, make_data
-        net = make_network({kind!r})
-        ds = make_data({batch_size}, {kind!r})
-        batch = jax.tree_util.tree_map(jax.numpy.asarray, ds.jit_batch())
-        st = net.state
-        for _ in range(5):
-            st, loss, _ = net.steps.train_step(st, batch)
-        loss.block_until_ready()
-        c0, t0 = time.process_time(), time.perf_counter()
-        for _ in range({steps}):
-            st, loss, _ = net.steps.train_step(st, batch)
-        loss.block_until_ready()
-        wall = time.perf_counter() - t0
-        print({steps} / wall, (time.process_time() - c0) / wall)
+        from _common import _step_loop
+        print(*_step_loop({kind!r}, {batch_size}, {steps}))
     """)
     return ([sys.executable, "-c", code],)
 
