@@ -1,7 +1,7 @@
 """Worker side of a job: a WorkerPlugin whose comm handlers hold the per-job train state.
 
 No numerics live here beyond calling the network's jitted steps; averaging is
-:func:`dlspark.distributed._averaging.average_leaves`.
+:func:`dlspark.distributed._averaging.average_on_device`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..data import as_dataset, load_minibatch
 from ..errors import NonFiniteLossError
 from ..io import write_bytes
 from ..network import Network
-from ._averaging import average_leaves
+from ._averaging import average_on_device
 from ._prefetch import Prefetcher
 
 logger = logging.getLogger(__name__)
@@ -161,11 +161,16 @@ class _Job:
         return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": n_examples,
                 "fit_time": fit_time, "data_wait": self.prefetch.wait_time - wait0}
 
-    def leaves(self):
-        return [np.asarray(x) for x in jax.tree_util.tree_leaves(self.state)]
+    def contribution(self):
+        """This replica's leaves after its fit: ``(on the device, on the host)``. The device
+        leaves enter its own average without a copy; the host ones are served to peers
+        (views of the same memory on a CPU device)."""
+        leaves = jax.tree_util.tree_leaves(self.state)
+        return leaves, [np.asarray(x) for x in leaves]
 
-    def set_leaves(self, leaves):
-        self.state = jax.tree_util.tree_unflatten(self.treedef, jax.device_put(list(leaves)))
+    def average_into_state(self, contributions):
+        own = jax.tree_util.tree_leaves(self.state)  # its integer leaves are kept
+        self.state = jax.tree_util.tree_unflatten(self.treedef, average_on_device(own, contributions))
 
 
 def _reporting(handler):
@@ -262,7 +267,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             j.ready.pop(r, None)
         try:
             result = await self._run(j, j.fit, refs, epoch, next_refs)
-            j.contributions[round] = await self._run(j, j.leaves)
+            j.contributions[round] = await self._run(j, j.contribution)
         except BaseException:
             j.contributions[round] = None  # peers waiting for it learn it will not come
             raise
@@ -345,10 +350,10 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         j = self._job(job)
         ev = j.ready.setdefault(round, asyncio.Event())
         await asyncio.wait_for(ev.wait(), timeout=600)
-        leaves = j.contributions.get(round)
-        if leaves is None:
+        contribution = j.contributions.get(round)
+        if contribution is None:
             return {"status": "no-contribution"}
-        return {"status": "OK", "leaves": to_serialize(leaves)}
+        return {"status": "OK", "leaves": to_serialize(contribution[1])}
 
     async def _average(self, job: str, round: int, contributors: list):
         """Average this round's contributions, fetched from the peers that hold them.
@@ -367,7 +372,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         nbytes = 0
         for addr in contributors:
             if addr == self.worker.address:
-                contribs.append(j.contributions[round])
+                contribs.append(j.contributions[round][0])
                 continue
             try:
                 resp = await self.worker.rpc(addr).dlspark_contribution(job=job, round=round)
@@ -379,8 +384,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             nbytes += sum(np.asarray(x).nbytes for x in leaves)
             contribs.append(leaves)
         t_fetch = time.perf_counter() - t0
-        own = j.contributions.get(round) or await self._run(j, j.leaves)
-        await self._run(j, lambda: j.set_leaves(average_leaves(own, contribs)))
+        await self._run(j, j.average_into_state, contribs)
         return {"avg_time": time.perf_counter() - t0, "fetch_time": t_fetch, "bytes_received": nbytes,
                 "contributors": contributors}
 
