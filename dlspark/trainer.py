@@ -332,7 +332,7 @@ class DistributedTrainer:
                                        f"{want}: resume with the PRNG implementation that wrote it")
         self.network.restore(url)
         if prog is None:
-            return epochs, (), None
+            return epochs, (), None, 0
         saved = meta.get("threshold_states") or {}
         if (self.master.algorithm == "sharing" and saved.get("states")
                 and saved.get("algorithm") == repr(self.master.threshold_algorithm)):
@@ -340,22 +340,30 @@ class DistributedTrainer:
             # the same threshold algorithm; a new one starts from its own initial value).
             states = [ThresholdState(*(float("nan") if x is None else x for x in st)) for st in saved["states"]]
             self.threshold_state = self.master.threshold_algorithm.reduce(states)
-        return epochs - prog["epoch"], prog["done"], rngs
+        # The fit goes on where the checkpoint stands: ``prog["epoch"]`` of ``epochs``
+        # done, and ``done`` minibatches of the next one.
+        return epochs - prog["epoch"], prog["done"], rngs, prog["epoch"]
+
+    def _job_spec(self, refs, loader=None, storage_options=None, worker_rngs=None) -> bytes:
+        """What every worker of a job is set up from (pickled once, for joiners too)."""
+        net = self.network
+        return cloudpickle.dumps({"definition": net.definition(), "network_token": net.token,
+                                  "master": self.master, "refs": refs,
+                                  "loader": loader, "storage_options": storage_options,
+                                  "threshold_state": self.threshold_state, "worker_rngs": worker_rngs})
 
     def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url, resume_from,
              callbacks, progress):
-        skip, worker_rngs = (), None
+        skip, worker_rngs, epochs_done = (), None, 0
+        epochs_total = epochs
         if resume_from is not None:
-            epochs, skip, worker_rngs = self._resume(resume_from, epochs)
+            epochs, skip, worker_rngs, epochs_done = self._resume(resume_from, epochs)
             if epochs <= 0:
                 return self.network
         net, client = self.network, self.client
         workers = self._workers()
         job = uuid.uuid4().hex[:12]
-        spec = cloudpickle.dumps({"definition": net.definition(), "network_token": net.token,
-                                  "master": self.master, "refs": refs,
-                                  "loader": loader, "storage_options": storage_options,
-                                  "threshold_state": self.threshold_state, "worker_rngs": worker_rngs})
+        spec = self._job_spec(refs, loader, storage_options, worker_rngs)
         state = state_to_bytes(net.state)
         base_step, base_epoch = net.iteration, net.epoch
         options = {"algorithm": self.master.algorithm, "mesh": getattr(self.master, "mesh", None),
@@ -363,6 +371,9 @@ class DistributedTrainer:
                    "steps_per_round": self.master.steps_per_round, "repartition": self.master.repartition,
                    "repartition_strategy": self.master.repartition_strategy, "skip": list(skip),
                    "base_epoch": base_epoch, "base_step": base_step,
+                   # A checkpoint speaks of the whole fit, a resumed one included: a
+                   # checkpoint written after a resume can be resumed from in turn.
+                   "epochs_total": epochs_total, "epochs_done": epochs_done,
                    "checkpoint_every": checkpoint_every, "checkpoint_url": checkpoint_url,
                    "threshold_algorithm": repr(getattr(self.master, "threshold_algorithm", None))}
         bar = self._progress_bar(progress, epochs * len(refs) - len(skip))

@@ -209,6 +209,17 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run(client2, make_net, dig
     _close(resumed.state.params, straight.state.params)
     _close(resumed.state.opt_state, straight.state.opt_state)
     assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (40, 2)
+    # A resumed fit checkpoints the whole fit's progress, so that it can be resumed from again.
+    url2 = str(tmp_path / "ck2.dls")
+    again = make_net(MLP(dropout=dropout), updater=optax.adam(1e-2))
+    DistributedTrainer(client2, again, master, progress=False).fit(data, epochs=2, resume_from=url,
+                                                                    checkpoint_every=2, checkpoint_url=url2)
+    prog = dlspark.checkpoint.read_checkpoint_meta(url2)["fit_progress"]
+    assert (prog["epochs_total"], prog["epoch"], len(prog["done"])) == (2, 1, 16)  # after overall round 9
+    last = make_net(MLP(dropout=dropout), updater=optax.adam(1e-2))
+    DistributedTrainer(client2, last, master, progress=False).fit(data, epochs=2, resume_from=url2)
+    _close(last.state.params, straight.state.params)
+    assert (last.iteration, last.epoch) == (40, 2)
 
 
 def test_resume_refuses_worker_rngs_of_another_prng(client2, make_net, digits, tmp_path):

@@ -103,20 +103,28 @@ class _JobRunner:
 
     async def _admit_joiners(self):
         for addr in sorted(self.joined):
-            if not self.live:
+            if not self.live or self.cancelled:
                 break
             source = sorted(self.live)[0]
+            error = None
             for _ in range(_JOIN_RETRIES):
+                if self.cancelled:
+                    break
                 try:
                     await self._call(addr, "join", source=source, spec=self.spec, rank=self.next_rank)
                     self.live.add(addr)
                     self.next_rank += 1
                     self._emit({"event": "joined", "worker": addr})
+                    error = None
                     break
                 except _WorkerLost:
                     break
-                except Exception:  # the worker's plugin may not be set up yet
+                except Exception as e:  # the worker's plugin may not be set up yet
+                    error = e
                     await asyncio.sleep(0.25)
+            if error is not None:
+                logger.warning("dlspark job %s: worker %s could not join: %s", self.job, addr, error)
+                self._emit({"event": "join-failed", "worker": addr, "error": str(error)})
             self.joined.discard(addr)
 
     # -- the job ---------------------------------------------------------------
@@ -271,7 +279,9 @@ class _JobRunner:
 
     async def _checkpoint(self):
         opts = self.options
-        progress = {**self.coord.progress(), "epochs_total": self.coord.epochs}
+        progress = self.coord.progress()
+        progress.update(epoch=opts.get("epochs_done", 0) + progress["epoch"],
+                        epochs_total=opts.get("epochs_total", self.coord.epochs))
         # Each worker's RNG, in the order rounds are assigned (sorted addresses): a resumed
         # fit gives the worker in each position the dropout stream it would have had.
         rngs, _ = await self._each(sorted(self.live), "rng", lambda w: {})

@@ -7,6 +7,7 @@ No numerics live here beyond calling the network's jitted steps; averaging is
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import os
@@ -88,7 +89,8 @@ class _Job:
 
             self.sharing = SharingState(self)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute")
-        self.contributions: dict = {}
+        self.contributions: dict = {}  # round -> this replica's leaves after its fit
+        self.untouched: dict = {}  # round -> leaves of a replica that had no data that round, before averaging
         self.ready: dict = {}
         self.refs = spec["refs"]
         # One loading thread for the job's life: it reads the next round's first
@@ -172,6 +174,14 @@ class _Job:
         own = jax.tree_util.tree_leaves(self.state)  # its integer leaves are kept
         self.state = jax.tree_util.tree_unflatten(self.treedef, average_on_device(own, contributions))
 
+    def set_leaves(self, leaves):
+        self.state = jax.tree_util.tree_unflatten(self.treedef, list(leaves))
+
+    def forget_rounds_before(self, round):
+        for kept in (self.contributions, self.ready, self.untouched):
+            for r in [r for r in kept if r < round]:
+                del kept[r]
+
 
 def _reporting(handler):
     """Return errors as pickled bytes in the reply: the scheduler relays them to the
@@ -217,6 +227,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     def setup(self, worker):
         self.worker = worker
         self.jobs: dict = {}
+        self.ended: collections.deque = collections.deque(maxlen=256)  # jobs torn down, newest last
         if self.pin_cores and hasattr(os, "sched_setaffinity"):
             cores = sorted(os.sched_getaffinity(0))
             per = self.cores_per_worker or max(1, len(cores) // self.n_workers)
@@ -245,9 +256,14 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     # -- handlers ----------------------------------------------------------------
     async def _setup(self, job: str, spec: bytes, state: bytes, rank: int = 0):
         loop = asyncio.get_running_loop()
-        self.jobs[job] = await loop.run_in_executor(
-            None, lambda: _Job(self.worker, cloudpickle.loads(spec), state, rank)
-        )
+        new = await loop.run_in_executor(None, lambda: _Job(self.worker, cloudpickle.loads(spec), state, rank))
+        if job in self.ended:  # torn down while it was being set up (the fit failed elsewhere)
+            new.close()
+            raise RuntimeError(f"job {job!r} ended before its set-up on worker {self.worker.address} finished")
+        old = self.jobs.pop(job, None)
+        if old is not None:  # set up again (a retried join): the first one's threads end here
+            old.close()
+        self.jobs[job] = new
         return {"status": "OK"}
 
     async def _join(self, job: str, source: str, spec: bytes, rank: int):
@@ -262,9 +278,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         j = self._job(job)
         if j.sharing is not None:
             return await self._fit_sharing(j, job, epoch, refs, next_refs, peers or {}, links)
-        for r in [r for r in j.contributions if r < round]:
-            j.contributions.pop(r, None)
-            j.ready.pop(r, None)
+        j.forget_rounds_before(round)
         try:
             result = await self._run(j, j.fit, refs, epoch, next_refs)
             j.contributions[round] = await self._run(j, j.contribution)
@@ -358,14 +372,27 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     async def _average(self, job: str, round: int, contributors: list):
         """Average this round's contributions, fetched from the peers that hold them.
 
-        Averaging starts from the stored contributions, so calling it again with fewer
-        contributors (one was lost) is safe. A peer whose contribution cannot be had is
-        named in ``lost_peer`` and nothing changes here.
+        The result depends on stored inputs only, never on the state an earlier call
+        left, so calling it again with fewer contributors (one was lost) is safe: the
+        contributions themselves, or, with none left, the state this replica had before
+        the round's averaging. A peer whose contribution cannot be had is named in
+        ``lost_peer`` and nothing changes here.
         """
         j = self._job(job)
         t0 = time.perf_counter()
-        if contributors == [self.worker.address] and round in j.contributions:
-            # Sole contributor: the mean is its own state, already in place.
+        if round not in j.contributions:  # no data this round: keep what the round started from
+            j.forget_rounds_before(round)
+            j.untouched.setdefault(round, jax.tree_util.tree_leaves(j.state))
+        contributors = list(contributors)  # a tuple when it came over the wire
+        if contributors == [self.worker.address] and j.contributions.get(round) is not None:
+            # Sole contributor: the mean is its own state after its fit.
+            await self._run(j, j.set_leaves, j.contributions[round][0])
+            return {"avg_time": time.perf_counter() - t0, "fetch_time": 0.0, "bytes_received": 0,
+                    "contributors": contributors}
+        if not contributors and round in j.untouched:
+            # Every contributor was lost: the round trained nothing. (A replica that fit
+            # this round is among the contributors for as long as it lives.)
+            await self._run(j, j.set_leaves, j.untouched[round])
             return {"avg_time": time.perf_counter() - t0, "fetch_time": 0.0, "bytes_received": 0,
                     "contributors": contributors}
         contribs = []
@@ -423,6 +450,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         return {"status": "OK"}
 
     async def _teardown(self, job: str):
+        self.ended.append(job)
         j = self.jobs.pop(job, None)
         if j is not None:
             j.close()

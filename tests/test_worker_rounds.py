@@ -1,0 +1,118 @@
+"""The worker handlers of a round, driven one call at a time on a real 3-worker LocalCluster.
+
+The scheduler's coordinator sends these calls; here the test sends them itself, so that
+it can stage the orders a lost worker produces (a second average over fewer
+contributors, after the first one already ran) without racing a real kill.
+"""
+
+import asyncio
+import uuid
+
+import jax
+import numpy as np
+import pytest
+from conftest import _cluster_client
+
+from dlspark import DistributedTrainer, ParameterAveraging
+from dlspark.checkpoint import state_from_bytes, state_to_bytes
+from dlspark.data import load_minibatch, save_minibatches
+from dlspark.trainer import _checked, _setup_workers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client3():
+    yield from _cluster_client(3)
+
+
+def _leaves(state):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)]
+
+
+def test_averaging_again_over_fewer_contributors_starts_from_the_stored_inputs(client3, make_net, digits, tmp_path):
+    tr, _ = digits
+    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
+    net = make_net()
+    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32), progress=False)
+    a, b, c = sorted(client3.scheduler_info()["workers"])
+    job = uuid.uuid4().hex[:12]
+    start = _leaves(net.state)
+
+    async def call(addr, op, **kw):
+        return _checked(await getattr(client3.rpc(addr), f"dlspark_{op}")(job=job, **kw))
+
+    async def state(addr):
+        return _leaves(state_from_bytes((await call(addr, "state"))["state"], net.state))
+
+    async def scenario():
+        await _setup_workers(client3, [a, b, c], job, trainer._job_spec(urls), state_to_bytes(net.state))
+        # Round 1: a and b fit a minibatch each and average; c has no data and only averages.
+        await asyncio.gather(call(a, "fit", round=1, epoch=0, refs=[0], average_with=[a, b]),
+                             call(b, "fit", round=1, epoch=0, refs=[1], average_with=[a, b]),
+                             call(c, "average", round=1, contributors=[a, b]))
+        mean = [await state(w) for w in (a, b, c)]
+        # b is lost after everyone averaged: the coordinator averages again over a alone.
+        await asyncio.gather(call(a, "average", round=1, contributors=[a]),
+                             call(c, "average", round=1, contributors=[a]))
+        only_a = [await state(w) for w in (a, c)]
+        # a is lost too: the round trained nothing, and c goes back to where it started.
+        await call(c, "average", round=1, contributors=[])
+        back = await state(c)
+        await asyncio.gather(*[call(w, "teardown") for w in (a, b, c)])
+        return mean, only_a, back
+
+    mean, only_a, back = client3.sync(scenario)
+    for x, y, z in zip(*mean):
+        np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(x, z)
+    # a's own fit of minibatch 0, computed here: what a and c must hold after b's loss
+    st, _, _ = net.steps.train_step(jax.tree_util.tree_map(np.copy, net.state),
+                                    jax.tree_util.tree_map(np.asarray, load_minibatch(urls[0]).jit_batch()))
+    for x, y, want, m in zip(*only_a, _leaves(st), mean[0]):
+        np.testing.assert_array_equal(x, y)
+        np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-6)
+    assert any(not np.allclose(x, m) for x, m in zip(only_a[0], mean[0]))  # not the two-worker mean kept
+    for x, s in zip(back, start):
+        np.testing.assert_array_equal(x, s)
+
+
+def _prefetch_threads():
+    import threading
+
+    return sum(t.name == "dlspark-prefetch" for t in threading.enumerate())
+
+
+def _jobs_on_worker(dask_worker):
+    return sorted(dask_worker.plugins["dlspark"].jobs)
+
+
+def test_a_job_set_up_twice_or_after_its_teardown_leaves_no_thread_behind(client3, make_net, digits, tmp_path):
+    import time
+
+    tr, _ = digits
+    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
+    net = make_net()
+    spec = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32), progress=False)._job_spec(urls)
+    state = state_to_bytes(net.state)
+    a = sorted(client3.scheduler_info()["workers"])[0]
+    job = uuid.uuid4().hex[:12]
+
+    def threads_settle_at(n):
+        for _ in range(100):
+            if client3.run(_prefetch_threads, workers=[a])[a] == n:
+                return True
+            time.sleep(0.02)
+        return False
+
+    base = client3.run(_prefetch_threads, workers=[a])[a]
+    client3.sync(_setup_workers, client3, [a], job, spec, state)
+    client3.sync(_setup_workers, client3, [a], job, spec, state)  # a retried join sets it up again
+    assert threads_settle_at(base + 1)  # the first set-up's loading thread ended
+    client3.sync(lambda: client3.rpc(a).dlspark_teardown(job=job))
+    assert threads_settle_at(base)
+    # A set-up that finishes after its job's teardown (the fit failed on another worker) is refused.
+    with pytest.raises(RuntimeError, match="ended before its set-up"):
+        client3.sync(_setup_workers, client3, [a], job, spec, state)
+    assert job not in client3.run(_jobs_on_worker, workers=[a])[a]
+    assert threads_settle_at(base)
