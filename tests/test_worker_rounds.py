@@ -116,3 +116,26 @@ def test_a_job_set_up_twice_or_after_its_teardown_leaves_no_thread_behind(client
         client3.sync(_setup_workers, client3, [a], job, spec, state)
     assert job not in client3.run(_jobs_on_worker, workers=[a])[a]
     assert threads_settle_at(base)
+
+
+def test_sync_names_a_holder_it_cannot_fetch_from_instead_of_failing(client3, make_net, digits, tmp_path):
+    # b never set the job up (as a holder lost since it reported its messages): a's sync
+    # applies what it could fetch and names b, for the coordinator to drop it.
+    from dlspark import GradientSharing
+
+    tr, _ = digits
+    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
+    net = make_net()
+    spec = DistributedTrainer(client3, net, GradientSharing(batch_size_per_worker=32), progress=False)._job_spec(urls)
+    a, b, _ = sorted(client3.scheduler_info()["workers"])
+    job = uuid.uuid4().hex[:12]
+
+    async def scenario():
+        await _setup_workers(client3, [a], job, spec, state_to_bytes(net.state))
+        try:
+            return _checked(await client3.rpc(a).dlspark_gs_sync(job=job, missing={b: [[b, 1]]}))
+        finally:
+            await client3.rpc(a).dlspark_teardown(job=job)
+
+    resp = client3.sync(scenario)
+    assert list(resp["unreachable"]) == [b]

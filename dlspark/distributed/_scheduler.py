@@ -267,7 +267,13 @@ class _JobRunner:
                         need.setdefault(h, []).append(list(key))
                 missing[w] = need
             syncs, lost = await self._each(sorted(haves), "gs_sync", lambda w: {"missing": missing[w]})
-            if not lost:
+            # A holder that a peer could not reach is dropped from the job, as a lost worker
+            # is; the next pass syncs the rest from the holders left.
+            unreachable = {h for r in syncs.values() for h in r.get("unreachable", ())} & self.live
+            for h in unreachable:
+                logger.warning("dlspark job %s: dropping worker %s, unreachable during the sync", self.job, h)
+                self.worker_left(h)
+            if not lost and not unreachable:
                 break
             contributors = [w for w in contributors if w in self.live]
         self._fetched_at_sync = sum(sum(len(k) for k in missing[w].values()) for w in syncs)

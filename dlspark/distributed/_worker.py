@@ -350,15 +350,21 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     async def _gs_sync(self, job: str, missing: dict):
         """Fetch the round's messages this replica missed (``{holder: [(sender, step), ...]}``), apply all."""
         j = self._job(job)
-        extra = []
+        extra, unreachable = [], []
         for holder, keys in missing.items():
             if holder == self.worker.address:
                 continue
-            resp = await self.worker.rpc(holder).dlspark_gs_get(job=job, keys=keys)
-            extra.extend(zip([tuple(k) for k in keys], resp["messages"]))
+            try:
+                resp = await self.worker.rpc(holder).dlspark_gs_get(job=job, keys=keys)
+                messages = resp["messages"]
+            except Exception as e:  # lost since it reported what it holds: the coordinator decides
+                logger.info("dlspark job %s: could not fetch messages from %s: %s", job, holder, e)
+                unreachable.append(holder)
+                continue
+            extra.extend(zip([tuple(k) for k in keys], messages))
         await self._run(j, lambda: j.sharing.apply_pending(extra))
         return {"threshold": float(j.sharing.tstate.threshold), "step": j.sharing.step,
-                "threshold_state": tuple(j.sharing.tstate)}
+                "threshold_state": tuple(j.sharing.tstate), "unreachable": unreachable}
 
     async def _contribution(self, job: str, round: int):
         j = self._job(job)
