@@ -395,7 +395,7 @@ class DistributedTrainer:
         try:
             client.sync(_setup_workers, client, workers, job, spec, state)
             client.sync(client.scheduler.dlspark_start, job=job, workers=workers, spec=spec,
-                        partitions=partitions, epochs=epochs, options=options)
+                        partitions=partitions, epochs=epochs, options=options, client=client.id)
             result = client.sync(client.scheduler.dlspark_wait, job=job)
             if result["status"] != "OK":
                 raise cloudpickle.loads(result["error"])

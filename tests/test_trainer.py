@@ -268,3 +268,63 @@ def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(clie
     assert after[-1] == 2
     assert accuracy(net, te) >= 0.9
     client2.wait_for_workers(2, timeout=60)
+
+
+_ABANDONING_CLIENT = """
+import sys, time
+import flax.linen as nn, numpy as np, optax
+from distributed import Client
+import dlspark
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(10)(x)
+
+def slow(url):
+    time.sleep(0.2)
+    return dlspark.data.load_minibatch(url)
+
+with Client(sys.argv[1]) as client:
+    net = dlspark.Network(dlspark.Model.from_flax(Net(), np.zeros((1, 64), np.float32)), updater=optax.sgd(0.1))
+    trainer = dlspark.DistributedTrainer(client, net, dlspark.ParameterAveraging(batch_size_per_worker=8), progress=False)
+    trainer.fit_paths(sys.argv[2], epochs=50, loader=slow, callbacks=[lambda s: print("round", flush=True)])
+"""
+
+
+def _coordinator_jobs(dask_scheduler):
+    return sorted(dask_scheduler.plugins["dlspark-coordinator"].jobs)
+
+
+def _worker_jobs(dask_worker):
+    return sorted(dask_worker.plugins["dlspark"].jobs)
+
+
+def test_a_job_whose_client_dies_is_stopped_and_torn_down(client2, make_net, digits, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from dlspark.distributed import _scheduler
+
+    monkeypatch.setattr(_scheduler, "CLIENT_GRACE", 1.0)  # the scheduler runs in this process
+    tr, _ = digits
+    dlspark.data.save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=8)
+    script = tmp_path / "client.py"
+    script.write_text(_ABANDONING_CLIENT)
+    proc = subprocess.Popen([sys.executable, str(script), client2.scheduler.address, str(tmp_path / "mb")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "round"  # its job is running
+        assert len(client2.run_on_scheduler(_coordinator_jobs)) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while client2.run_on_scheduler(_coordinator_jobs) or any(client2.run(_worker_jobs).values()):
+        assert time.monotonic() < deadline, "the dead client's job still runs"
+        time.sleep(0.2)
+    # the workers train the next job at full strength
+    net = make_net()
+    DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32), progress=False).fit(tr[:256])
+    assert net.iteration == 8

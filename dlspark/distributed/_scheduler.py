@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["DlsparkSchedulerPlugin"]
 
 _JOIN_RETRIES = 20
+#: seconds a job waits for its client to come back after losing it, before it is torn down
+CLIENT_GRACE = 10.0
 
 
 class _WorkerLost(Exception):
@@ -39,9 +41,10 @@ class RemoteError(Exception):
 
 
 class _JobRunner:
-    def __init__(self, scheduler, job, workers, spec, partitions, epochs, options):
+    def __init__(self, scheduler, job, workers, spec, partitions, epochs, options, client=None):
         self.scheduler = scheduler
         self.job = job
+        self.client = client  # the client that started it: its loss ends the job
         self.spec = spec  # pickled job spec, for workers that join mid-fit
         self.live = set(workers)
         self.joined: set = set()
@@ -333,10 +336,25 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
         for job in self.jobs.values():
             job.worker_joined(worker)
 
-    async def _start(self, job, workers, spec, partitions, epochs, options):
+    def remove_client(self, scheduler, client):
+        # A client that died (a killed notebook kernel) never calls dlspark_finish: its
+        # jobs would train on and hold every worker's job state. Unless it reconnects
+        # within CLIENT_GRACE seconds, they are stopped and torn down.
+        for job, runner in list(self.jobs.items()):
+            if runner.client == client:
+                asyncio.get_running_loop().call_later(
+                    CLIENT_GRACE, lambda job=job: asyncio.ensure_future(self._abandon(job, client)))
+
+    async def _abandon(self, job, client):
+        if client in self.scheduler.clients or job not in self.jobs:
+            return
+        logger.warning("dlspark job %s: its client %s is gone; stopping the job", job, client)
+        await self._finish(job)
+
+    async def _start(self, job, workers, spec, partitions, epochs, options, client=None):
         if job in self.jobs:
             raise ValueError(f"job {job!r} is already running")
-        self.jobs[job] = _JobRunner(self.scheduler, job, workers, spec, partitions, epochs, options)
+        self.jobs[job] = _JobRunner(self.scheduler, job, workers, spec, partitions, epochs, options, client)
         return {"status": "OK"}
 
     async def _wait(self, job):
