@@ -87,9 +87,10 @@ def write_bytes(url: str, data: bytes, **storage_options) -> None:
 
 
 def read_bytes(url: str, **storage_options) -> bytes:
-    """Read the whole file at ``url``."""
-    with fsspec.open(url, "rb", **storage_options) as f:
-        return f.read()
+    """Read the whole file at ``url``: one ``cat_file`` (for object stores, one GET,
+    where a file object first asks for the size)."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    return fs.cat_file(path)
 
 
 def write_text(url: str, text: str, **storage_options) -> None:
