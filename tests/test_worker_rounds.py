@@ -139,3 +139,94 @@ def test_sync_names_a_holder_it_cannot_fetch_from_instead_of_failing(client3, ma
 
     resp = client3.sync(scenario)
     assert list(resp["unreachable"]) == [b]
+
+
+def test_three_contributors_average_in_shares_with_the_bits_of_the_full_mean(client3, make_net, digits, tmp_path):
+    # Each of three contributors averages one share and fetches the two others: every
+    # replica receives 4/3 of the parameters instead of 2x, and all hold the same bits.
+    from dlspark.distributed._averaging import average_leaves
+
+    tr, _ = digits
+    urls = save_minibatches(tr[:96], url=str(tmp_path / "mb"), batch_size=32)
+    net = make_net()
+    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32), progress=False)
+    workers = sorted(client3.scheduler_info()["workers"])
+    job = uuid.uuid4().hex[:12]
+    floats = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(net.state)
+                 if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+    async def call(addr, op, **kw):
+        return _checked(await getattr(client3.rpc(addr), f"dlspark_{op}")(job=job, **kw))
+
+    async def scenario():
+        await _setup_workers(client3, workers, job, trainer._job_spec(urls), state_to_bytes(net.state))
+        fits = await asyncio.gather(*[call(w, "fit", round=1, epoch=0, refs=[i], average_with=workers)
+                                      for i, w in enumerate(workers)])
+        states = [state_from_bytes((await call(w, "state"))["state"], net.state) for w in workers]
+        await asyncio.gather(*[call(w, "teardown") for w in workers])
+        return fits, states
+
+    fits, states = client3.sync(scenario)
+    for f in fits:
+        assert "lost_peer" not in f["averaged"]
+        assert 0.6 * floats < f["averaged"]["bytes_received"] < 1.5 * floats  # 4/3, not 2
+    for other in states[1:]:  # the parameters (each replica keeps its own RNG key)
+        for x, y in zip(_leaves(states[0]), _leaves(other)):
+            np.testing.assert_array_equal(x, y)
+    # the mean of the three fits, computed here (no dropout: the rank's RNG does not matter)
+    fitted = []
+    for u in urls:
+        st, _, _ = net.steps.train_step(jax.tree_util.tree_map(np.copy, net.state),
+                                        jax.tree_util.tree_map(np.asarray, load_minibatch(u).jit_batch()))
+        fitted.append(_leaves(st))
+    for x, w in zip(_leaves(states[0]), average_leaves(fitted[0], fitted)):
+        np.testing.assert_allclose(x, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_share_owner_that_cannot_be_reached_is_named_and_the_survivors_average(client3, make_net, digits, tmp_path):
+    # The third contributor never set the job up (a worker lost before the averaging):
+    # both others name it, and averaging again over the two left gives their mean.
+    tr, _ = digits
+    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
+    net = make_net()
+    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32), progress=False)
+    a, b, c = sorted(client3.scheduler_info()["workers"])
+    job = uuid.uuid4().hex[:12]
+
+    async def call(addr, op, **kw):
+        return _checked(await getattr(client3.rpc(addr), f"dlspark_{op}")(job=job, **kw))
+
+    async def scenario():
+        await _setup_workers(client3, [a, b], job, trainer._job_spec(urls), state_to_bytes(net.state))
+        fits = await asyncio.gather(call(a, "fit", round=1, epoch=0, refs=[0], average_with=[a, b, c]),
+                                    call(b, "fit", round=1, epoch=0, refs=[1], average_with=[a, b, c]))
+        again = await asyncio.gather(*[call(w, "average", round=1, contributors=[a, b]) for w in (a, b)])
+        states = [_leaves(state_from_bytes((await call(w, "state"))["state"], net.state)) for w in (a, b)]
+        await asyncio.gather(*[call(w, "teardown") for w in (a, b)])
+        return fits, again, states
+
+    fits, again, states = client3.sync(scenario)
+    assert [f["averaged"].get("lost_peer") for f in fits] == [c, c]
+    assert all("lost_peer" not in r for r in again)
+    for x, y in zip(*states):
+        np.testing.assert_array_equal(x, y)
+    assert any(not np.allclose(x, s) for x, s in zip(states[0], _leaves(net.state)))
+
+
+def test_three_workers_sgd_frequency_one_equals_synchronous_large_batch_sgd(client3, make_net, digits):
+    # The whole job with shares: averaging three SGD steps is one step on their union.
+    import optax
+
+    from dlspark import DataSet
+
+    tr, _ = digits
+    batches = tr[:576].batches(32)
+    net = make_net(updater=optax.sgd(0.1))
+    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1),
+                                 progress=False)
+    trainer.fit(batches)
+    assert all(s["workers"] == 3 for s in trainer.last_fit_stats)
+    sync = make_net(updater=optax.sgd(0.1))
+    sync.fit([DataSet.merge(batches[i:i + 3]) for i in range(0, len(batches), 3)])
+    for x, y in zip(_leaves(net.state), _leaves(sync.state)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

@@ -29,14 +29,15 @@ from ..data import as_dataset, load_minibatch
 from ..errors import NonFiniteLossError
 from ..io import write_bytes
 from ..network import Network
-from ._averaging import average_on_device
+from ._averaging import (assemble, average_on_device, average_share, is_averaged, share_bounds, share_pieces,
+                         take_share)
 from ._prefetch import Prefetcher
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DlsparkWorkerPlugin"]
 
-_HANDLERS = ("setup", "join", "fit", "contribution", "average", "state", "rng", "checkpoint", "teardown",
+_HANDLERS = ("setup", "join", "fit", "contribution", "average", "share", "state", "rng", "checkpoint", "teardown",
              "gs_push", "gs_have", "gs_sync", "gs_get", "gs_next")
 
 
@@ -91,6 +92,7 @@ class _Job:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute")
         self.contributions: dict = {}  # round -> this replica's leaves after its fit
         self.untouched: dict = {}  # round -> leaves of a replica that had no data that round, before averaging
+        self.shares: dict = {}  # round -> {contributors: [Event, ("OK", averaged share) | ("lost", peer)]}
         self.ready: dict = {}
         self.refs = spec["refs"]
         # One loading thread for the job's life: it reads the next round's first
@@ -177,8 +179,15 @@ class _Job:
     def set_leaves(self, leaves):
         self.state = jax.tree_util.tree_unflatten(self.treedef, list(leaves))
 
+    def set_floats(self, floats, pieces, values):
+        """Replace the floating-point leaves ``floats`` by those ``pieces`` of ``values`` assemble."""
+        leaves = jax.tree_util.tree_leaves(self.state)
+        for i, x in zip(floats, assemble([leaves[i] for i in floats], pieces, values)):
+            leaves[i] = x
+        self.state = jax.tree_util.tree_unflatten(self.treedef, jax.device_put(leaves))
+
     def forget_rounds_before(self, round):
-        for kept in (self.contributions, self.ready, self.untouched):
+        for kept in (self.contributions, self.ready, self.untouched, self.shares):
             for r in [r for r in kept if r < round]:
                 del kept[r]
 
@@ -370,14 +379,82 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         return {"threshold": float(j.sharing.tstate.threshold), "step": j.sharing.step,
                 "threshold_state": tuple(j.sharing.tstate), "unreachable": unreachable}
 
-    async def _contribution(self, job: str, round: int):
+    async def _contribution(self, job: str, round: int, share: list | None = None):
+        """This replica's leaves after its fit in ``round``; with ``share=[lo, hi]``, only
+        that flat range of its floating-point elements (see :func:`share_pieces`)."""
         j = self._job(job)
         ev = j.ready.setdefault(round, asyncio.Event())
         await asyncio.wait_for(ev.wait(), timeout=600)
         contribution = j.contributions.get(round)
         if contribution is None:
             return {"status": "no-contribution"}
-        return {"status": "OK", "leaves": to_serialize(contribution[1])}
+        leaves = contribution[1]
+        if share is not None:
+            floats = [x for x in leaves if is_averaged(x)]
+            leaves = take_share(floats, share_pieces([x.size for x in floats], *share))
+        return {"status": "OK", "leaves": to_serialize(leaves)}
+
+    async def _share(self, job: str, round: int, contributors: list):
+        """This replica's averaged share of ``round`` over ``contributors``, once it has it."""
+        slot = self._job(job).shares.setdefault(round, {}).setdefault(tuple(contributors), [asyncio.Event(), None])
+        await asyncio.wait_for(slot[0].wait(), timeout=600)
+        status, value = slot[1]
+        if status != "OK":
+            return {"status": "lost", "peer": value}
+        return {"status": "OK", "values": to_serialize(value)}
+
+    async def _average_in_shares(self, j, job, round, contributors, t0):
+        """The mean over three or more contributors, in shares (see ``_averaging``): this
+        replica averages its own share, if it is a contributor, then fetches the others'."""
+        me = self.worker.address
+        n = len(contributors)
+        leaves = jax.tree_util.tree_leaves(j.state)  # shapes and dtypes; its integer leaves are kept
+        floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
+        sizes = [leaves[i].size for i in floats]
+        slot = j.shares.setdefault(round, {}).setdefault(tuple(contributors), [asyncio.Event(), None])
+        nbytes = 0
+        if me in contributors and slot[1] is None:
+            bounds = share_bounds(sizes, n, contributors.index(me))
+            pieces = share_pieces(sizes, *bounds)
+            parts = []
+            for addr in contributors:
+                if addr == me:
+                    host = j.contributions[round][1]
+                    parts.append(take_share([host[i] for i in floats], pieces))
+                    continue
+                try:
+                    resp = await self.worker.rpc(addr).dlspark_contribution(job=job, round=round, share=list(bounds))
+                except OSError:
+                    resp = {}
+                if resp.get("status") != "OK":
+                    slot[1] = ("lost", addr)  # peers waiting for this share learn whom to drop
+                    slot[0].set()
+                    return {"lost_peer": addr}
+                parts.append(list(resp["leaves"]))
+                nbytes += sum(np.asarray(x).nbytes for x in parts[-1])
+            slot[1] = ("OK", await self._run(j, average_share, parts))
+            slot[0].set()
+        elif me in contributors and slot[1][0] != "OK":
+            return {"lost_peer": slot[1][1]}
+        t_fetch = time.perf_counter() - t0
+        all_pieces, all_values = [], []
+        for k, addr in enumerate(contributors):
+            if addr == me:
+                values = slot[1][1]
+            else:
+                try:
+                    resp = await self.worker.rpc(addr).dlspark_share(job=job, round=round, contributors=contributors)
+                except OSError:
+                    resp = {"peer": addr}
+                if resp.get("status") != "OK":
+                    return {"lost_peer": resp.get("peer", addr)}
+                values = list(resp["values"])
+                nbytes += sum(np.asarray(x).nbytes for x in values)
+            all_pieces += share_pieces(sizes, *share_bounds(sizes, n, k))
+            all_values += values
+        await self._run(j, j.set_floats, floats, all_pieces, all_values)
+        return {"avg_time": time.perf_counter() - t0, "fetch_time": t_fetch, "bytes_received": nbytes,
+                "contributors": contributors}
 
     async def _average(self, job: str, round: int, contributors: list):
         """Average this round's contributions, fetched from the peers that hold them.
@@ -405,6 +482,8 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             await self._run(j, j.set_leaves, j.untouched[round])
             return {"avg_time": time.perf_counter() - t0, "fetch_time": 0.0, "bytes_received": 0,
                     "contributors": contributors}
+        if len(contributors) >= 3:
+            return await self._average_in_shares(j, job, round, contributors, t0)
         contribs = []
         nbytes = 0
         for addr in contributors:
