@@ -328,3 +328,58 @@ def test_a_job_whose_client_dies_is_stopped_and_torn_down(client2, make_net, dig
     net = make_net()
     DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32), progress=False).fit(tr[:256])
     assert net.iteration == 8
+
+
+def test_a_hung_worker_without_a_nanny_is_dropped_when_its_heartbeats_stop(make_net, digits, tmp_path):
+    # A stopped process (SIGSTOP) keeps its sockets open, and one started without a nanny
+    # (``dask worker --no-nanny``) is not ended when the scheduler removes it (no heartbeat
+    # for worker-ttl). Dask then closes the other workers' connections to it: a peer
+    # waiting to fetch its contribution learns it is lost, and the job trains on, each
+    # minibatch once per epoch.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import dask
+    from distributed import Client
+
+    from dlspark.cluster import local_cluster
+
+    tr, _ = digits
+    urls = dlspark.data.save_minibatches(tr[:640], url=str(tmp_path / "mb"), batch_size=16)
+    with dask.config.set({"distributed.scheduler.worker-ttl": "2s"}), local_cluster(1) as cluster, \
+            Client(cluster) as client:
+        bare = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
+                                 "--no-nanny", "--nthreads", "1", "--name", "bare"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # the tests' modules
+        try:
+            client.wait_for_workers(2, timeout=60)
+            stopped = threading.Event()
+
+            def on_round(stat):
+                if stat["round"] == 2 and not stopped.is_set():
+                    stopped.set()
+                    os.kill(bare.pid, signal.SIGSTOP)
+
+            net = _digits_net(make_net)
+            trainer = DistributedTrainer(client, net, ParameterAveraging(batch_size_per_worker=16,
+                                                                         averaging_frequency=2), progress=False)
+            done = []
+            fit = threading.Thread(target=lambda: done.append(
+                trainer.fit_paths(str(tmp_path / "mb"), epochs=2, loader=slow_loader(0.05), callbacks=[on_round])),
+                daemon=True)
+            fit.start()
+            fit.join(120)  # a liveness bound, far above the ~15 s this takes
+            assert stopped.is_set() and done, "the job waits on the hung worker"
+        finally:
+            bare.kill()
+            bare.wait()
+        per_epoch = {}
+        for s in trainer.last_fit_stats:
+            per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
+        assert per_epoch == {0: len(urls), 1: len(urls)}
+        assert net.iteration == 2 * len(urls)
+        assert min(s["workers"] for s in trainer.last_fit_stats) == 1
