@@ -66,7 +66,7 @@ class SharingState:
         # step. Reuse is safe: a vector is written again only after the next step's
         # update was read back, which waits for the apply that read it.
         self.totals = (_aligned_zeros(self.n), _aligned_zeros(self.n))
-        self.in_place = all(d.platform == "cpu" for d in flat.devices())
+        self.in_place = flat.devices() == {jax.local_devices(backend="cpu")[0]}  # where from_dlpack puts it
         self.tstate = job.spec.get("threshold_state") or self.algo.init()
         self.step = 0  # this worker's message counter
         self.lock = threading.Condition()
