@@ -12,6 +12,7 @@ import timeit
 
 import numpy as np
 
+from dlspark.distributed import _encoding
 from dlspark.distributed._encoding import decode, encode_scratch, threshold_encode
 
 N = 4_000_000
@@ -38,11 +39,21 @@ def measure(sparsity, n=N):
     # encoding one vector again and again would time ever emptier encodes.
     work, scratch = r.copy(), encode_scratch(n)
     enc = _best(lambda: threshold_encode(work, t, out=work, scratch=scratch), setup=lambda: np.copyto(work, r))
+    # The same with numpy's scan, where the compiled one (dlspark[fast]) is installed.
+    compiled, numpy_enc = _encoding._SCAN, enc
+    if compiled is not None:
+        _encoding._SCAN = None
+        try:
+            numpy_enc = _best(lambda: threshold_encode(work, t, out=work, scratch=scratch),
+                              setup=lambda: np.copyto(work, r))
+        finally:
+            _encoding._SCAN = compiled
     pure = _best(lambda: threshold_encode(r, t))
     msg = threshold_encode(r, t).message
     dec = _best(lambda: decode(msg))
     return {"sparsity": sparsity, "encode_Melem_s": n / enc / 1e6, "copy_Melem_s": n / copy / 1e6,
-            "encode_over_copy": copy / enc, "pure_encode_over_copy": copy / pure, "decode_over_copy": copy / dec, "format": int(msg[0])}
+            "encode_over_copy": copy / enc, "numpy_scan_encode_over_copy": copy / numpy_enc,
+            "compiled_scan": compiled is not None, "pure_encode_over_copy": copy / pure, "decode_over_copy": copy / dec, "format": int(msg[0])}
 
 
 class Encoding:

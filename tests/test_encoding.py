@@ -146,3 +146,30 @@ def test_blockwise_scan_equals_one_block(monkeypatch, sparsity):
     np.testing.assert_array_equal(blocks.residual, whole.residual)
     with pytest.raises(ValueError, match="scratch buffers must hold 64 elements"):
         threshold_encode(r, t, scratch=(np.empty(10, np.float32), np.empty(10, bool)))
+
+
+def test_the_compiled_scan_is_used_when_numba_is_installed():
+    pytest.importorskip("numba")  # the test extra installs it: CI runs the compiled scan
+    assert _encoding._SCAN is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.float32, st.integers(1, 700), elements=st.floats(-10, 10, width=32)), thresholds,
+       st.sampled_from([64, 100, 1 << 19]))
+def test_compiled_and_numpy_scans_give_the_same_message_and_residual(r, t, block):
+    if _encoding._SCAN is None:
+        pytest.skip("numba is not installed: only the numpy scan exists")
+    r[::97] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 10.0, -10.0, 1e-30][: r[::97].size]  # edge values, group edges
+    old = _encoding._BLOCK
+    try:
+        _encoding._BLOCK = block
+        compiled = threshold_encode(r, t, scratch=encode_scratch(r.size))
+        scan, _encoding._SCAN = _encoding._SCAN, None
+        try:
+            plain = threshold_encode(r, t, scratch=encode_scratch(r.size))
+        finally:
+            _encoding._SCAN = scan
+    finally:
+        _encoding._BLOCK = old
+    np.testing.assert_array_equal(compiled.message, plain.message)
+    np.testing.assert_array_equal(compiled.residual, plain.residual)
