@@ -30,23 +30,39 @@ def _leaves(state):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)]
 
 
+class _DrivenJob:
+    """A job on ``client``'s workers whose handlers the test calls itself: minibatch files
+    of 32 digits each, the spec and state the trainer would send, and ``call``."""
+
+    def __init__(self, client, make_net, digits, tmp_path, n_examples, master=None):
+        tr, _ = digits
+        self.client = client
+        self.urls = save_minibatches(tr[:n_examples], url=str(tmp_path / "mb"), batch_size=32)
+        self.net = make_net()
+        master = master or ParameterAveraging(batch_size_per_worker=32)
+        self.spec = DistributedTrainer(client, self.net, master, progress=False)._job_spec(self.urls)
+        self.state = state_to_bytes(self.net.state)
+        self.id = uuid.uuid4().hex[:12]
+        self.workers = sorted(client.scheduler_info()["workers"])
+
+    async def setup(self, workers):
+        await _setup_workers(self.client, workers, self.id, self.spec, self.state)
+
+    async def call(self, addr, op, **kw):
+        return _checked(await getattr(self.client.rpc(addr), f"dlspark_{op}")(job=self.id, **kw))
+
+    async def params(self, addr):
+        return _leaves(state_from_bytes((await self.call(addr, "state"))["state"], self.net.state))
+
+
 def test_averaging_again_over_fewer_contributors_starts_from_the_stored_inputs(client3, make_net, digits, tmp_path):
-    tr, _ = digits
-    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
-    net = make_net()
-    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32), progress=False)
-    a, b, c = sorted(client3.scheduler_info()["workers"])
-    job = uuid.uuid4().hex[:12]
+    job = _DrivenJob(client3, make_net, digits, tmp_path, 64)
+    net, urls, call, state = job.net, job.urls, job.call, job.params
+    a, b, c = job.workers
     start = _leaves(net.state)
 
-    async def call(addr, op, **kw):
-        return _checked(await getattr(client3.rpc(addr), f"dlspark_{op}")(job=job, **kw))
-
-    async def state(addr):
-        return _leaves(state_from_bytes((await call(addr, "state"))["state"], net.state))
-
     async def scenario():
-        await _setup_workers(client3, [a, b, c], job, trainer._job_spec(urls), state_to_bytes(net.state))
+        await job.setup([a, b, c])
         # Round 1: a and b fit a minibatch each and average; c has no data and only averages.
         await asyncio.gather(call(a, "fit", round=1, epoch=0, refs=[0], average_with=[a, b]),
                              call(b, "fit", round=1, epoch=0, refs=[1], average_with=[a, b]),
@@ -90,13 +106,8 @@ def _jobs_on_worker(dask_worker):
 def test_a_job_set_up_twice_or_after_its_teardown_leaves_no_thread_behind(client3, make_net, digits, tmp_path):
     import time
 
-    tr, _ = digits
-    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
-    net = make_net()
-    spec = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32), progress=False)._job_spec(urls)
-    state = state_to_bytes(net.state)
-    a = sorted(client3.scheduler_info()["workers"])[0]
-    job = uuid.uuid4().hex[:12]
+    driven = _DrivenJob(client3, make_net, digits, tmp_path, 64)
+    spec, state, job, a = driven.spec, driven.state, driven.id, driven.workers[0]
 
     def threads_settle_at(n):
         for _ in range(100):
@@ -123,19 +134,15 @@ def test_sync_names_a_holder_it_cannot_fetch_from_instead_of_failing(client3, ma
     # applies what it could fetch and names b, for the coordinator to drop it.
     from dlspark import GradientSharing
 
-    tr, _ = digits
-    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
-    net = make_net()
-    spec = DistributedTrainer(client3, net, GradientSharing(batch_size_per_worker=32), progress=False)._job_spec(urls)
-    a, b, _ = sorted(client3.scheduler_info()["workers"])
-    job = uuid.uuid4().hex[:12]
+    job = _DrivenJob(client3, make_net, digits, tmp_path, 64, GradientSharing(batch_size_per_worker=32))
+    a, b, _ = job.workers
 
     async def scenario():
-        await _setup_workers(client3, [a], job, spec, state_to_bytes(net.state))
+        await job.setup([a])
         try:
-            return _checked(await client3.rpc(a).dlspark_gs_sync(job=job, missing={b: [[b, 1]]}))
+            return await job.call(a, "gs_sync", missing={b: [[b, 1]]})
         finally:
-            await client3.rpc(a).dlspark_teardown(job=job)
+            await job.call(a, "teardown")
 
     resp = client3.sync(scenario)
     assert list(resp["unreachable"]) == [b]
@@ -146,20 +153,13 @@ def test_three_contributors_average_in_shares_with_the_bits_of_the_full_mean(cli
     # replica receives 4/3 of the parameters instead of 2x, and all hold the same bits.
     from dlspark.distributed._averaging import average_leaves
 
-    tr, _ = digits
-    urls = save_minibatches(tr[:96], url=str(tmp_path / "mb"), batch_size=32)
-    net = make_net()
-    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32), progress=False)
-    workers = sorted(client3.scheduler_info()["workers"])
-    job = uuid.uuid4().hex[:12]
+    job = _DrivenJob(client3, make_net, digits, tmp_path, 96)
+    net, urls, call, workers = job.net, job.urls, job.call, job.workers
     floats = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(net.state)
                  if np.issubdtype(np.asarray(x).dtype, np.floating))
 
-    async def call(addr, op, **kw):
-        return _checked(await getattr(client3.rpc(addr), f"dlspark_{op}")(job=job, **kw))
-
     async def scenario():
-        await _setup_workers(client3, workers, job, trainer._job_spec(urls), state_to_bytes(net.state))
+        await job.setup(workers)
         fits = await asyncio.gather(*[call(w, "fit", round=1, epoch=0, refs=[i], average_with=workers)
                                       for i, w in enumerate(workers)])
         states = [state_from_bytes((await call(w, "state"))["state"], net.state) for w in workers]
@@ -186,22 +186,16 @@ def test_three_contributors_average_in_shares_with_the_bits_of_the_full_mean(cli
 def test_a_share_owner_that_cannot_be_reached_is_named_and_the_survivors_average(client3, make_net, digits, tmp_path):
     # The third contributor never set the job up (a worker lost before the averaging):
     # both others name it, and averaging again over the two left gives their mean.
-    tr, _ = digits
-    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
-    net = make_net()
-    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32), progress=False)
-    a, b, c = sorted(client3.scheduler_info()["workers"])
-    job = uuid.uuid4().hex[:12]
-
-    async def call(addr, op, **kw):
-        return _checked(await getattr(client3.rpc(addr), f"dlspark_{op}")(job=job, **kw))
+    job = _DrivenJob(client3, make_net, digits, tmp_path, 64)
+    net, call = job.net, job.call
+    a, b, c = job.workers
 
     async def scenario():
-        await _setup_workers(client3, [a, b], job, trainer._job_spec(urls), state_to_bytes(net.state))
+        await job.setup([a, b])
         fits = await asyncio.gather(call(a, "fit", round=1, epoch=0, refs=[0], average_with=[a, b, c]),
                                     call(b, "fit", round=1, epoch=0, refs=[1], average_with=[a, b, c]))
         again = await asyncio.gather(*[call(w, "average", round=1, contributors=[a, b]) for w in (a, b)])
-        states = [_leaves(state_from_bytes((await call(w, "state"))["state"], net.state)) for w in (a, b)]
+        states = [await job.params(w) for w in (a, b)]
         await asyncio.gather(*[call(w, "teardown") for w in (a, b)])
         return fits, again, states
 
