@@ -224,3 +224,22 @@ def test_three_workers_sgd_frequency_one_equals_synchronous_large_batch_sgd(clie
     sync.fit([DataSet.merge(batches[i:i + 3]) for i in range(0, len(batches), 3)])
     for x, y in zip(_leaves(net.state), _leaves(sync.state)):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_a_teardown_ends_the_calls_still_waiting_on_the_job(client3, make_net, digits, tmp_path):
+    # A peer waiting for a share or a contribution that will never come (the job failed
+    # elsewhere) is answered at teardown, not after the handlers' 600 s timeout.
+    job = _DrivenJob(client3, make_net, digits, tmp_path, 64)
+    a, b, c = job.workers
+
+    async def scenario():
+        await job.setup([a])
+        waiting = [asyncio.ensure_future(job.call(a, "share", round=1, contributors=[a, b, c])),
+                   asyncio.ensure_future(job.call(a, "contribution", round=1))]
+        await asyncio.sleep(0.5)
+        assert not any(w.done() for w in waiting)
+        await job.call(a, "teardown")
+        return await asyncio.wait_for(asyncio.gather(*waiting), timeout=30)
+
+    share, contribution = client3.sync(scenario)
+    assert share["status"] == "lost" and contribution["status"] == "no-contribution"

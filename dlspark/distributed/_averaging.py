@@ -123,10 +123,9 @@ def average_share(shares: list) -> list:
 
 
 def assemble(like: list, pieces: list, values: list) -> list:
-    """Leaves shaped as ``like`` (only those ``pieces`` name) from ``values``, one per piece."""
-    out: dict = {}
+    """Leaves shaped as ``like`` from ``values``, one per piece; the pieces cover every element
+    (a leaf with no elements is covered by none)."""
+    out = [np.empty(int(np.prod(np.shape(x))), dtype=x.dtype) for x in like]
     for (i, a, b), v in zip(pieces, values):
-        if i not in out:
-            out[i] = np.empty(int(np.prod(np.shape(like[i]))), dtype=like[i].dtype)
         out[i][a:b] = v
-    return [out[i].reshape(np.shape(like[i])) if i in out else None for i in range(len(like))]
+    return [x.reshape(np.shape(ref)) for x, ref in zip(out, like)]

@@ -66,7 +66,10 @@ class SharingState:
         # step. Reuse is safe: a vector is written again only after the next step's
         # update was read back, which waits for the apply that read it.
         self.totals = (_aligned_zeros(self.n), _aligned_zeros(self.n))
-        self.in_place = flat.devices() == {jax.local_devices(backend="cpu")[0]}  # where from_dlpack puts it
+        # where from_dlpack puts a host vector: the first CPU device (asking for the CPU
+        # backend by name would fail where JAX was started on accelerators only)
+        device = next(iter(flat.devices()))
+        self.in_place = len(flat.devices()) == 1 and device.platform == "cpu" and device.id == 0
         self.tstate = job.spec.get("threshold_state") or self.algo.init()
         self.step = 0  # this worker's message counter
         self.lock = threading.Condition()

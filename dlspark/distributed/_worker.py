@@ -102,6 +102,16 @@ class _Job:
     def close(self):
         self.prefetch.close()
         self.executor.shutdown(wait=False)
+        # Handlers still waiting on this job (a peer's fetch of a share or a contribution)
+        # end now rather than at their timeout.
+        for slots in self.shares.values():
+            for slot in slots.values():
+                if slot[1] is None:
+                    slot[1] = ("lost", None)
+                slot[0].set()
+        for round, event in self.ready.items():
+            self.contributions.setdefault(round, None)
+            event.set()
 
     # -- data ----------------------------------------------------------------
     def load(self, ref_index):
@@ -177,7 +187,13 @@ class _Job:
         self.state = jax.tree_util.tree_unflatten(self.treedef, average_on_device(own, contributions))
 
     def set_leaves(self, leaves):
-        self.state = jax.tree_util.tree_unflatten(self.treedef, list(leaves))
+        self.state = jax.tree_util.tree_unflatten(self.treedef, jax.device_put(list(leaves)))
+
+    def own_contribution(self, round):
+        """This replica's contribution to ``round``: its device leaves until its first average
+        of the round, the host ones after (so that the device holds one state, not two)."""
+        device, host = self.contributions[round]
+        return device if device is not None else host
 
     def set_floats(self, floats, pieces, values):
         """Replace the floating-point leaves ``floats`` by those ``pieces`` of ``values`` assemble."""
@@ -293,6 +309,11 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             j.contributions[round] = await self._run(j, j.contribution)
         except BaseException:
             j.contributions[round] = None  # peers waiting for it learn it will not come
+            if average_with and len(average_with) >= 3:  # and those waiting for its share
+                slot = j.shares.setdefault(round, {}).setdefault(tuple(average_with), [asyncio.Event(), None])
+                if slot[1] is None:
+                    slot[1] = ("lost", self.worker.address)
+                slot[0].set()
             raise
         finally:
             j.ready.setdefault(round, asyncio.Event()).set()
@@ -414,26 +435,30 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         slot = j.shares.setdefault(round, {}).setdefault(tuple(contributors), [asyncio.Event(), None])
         nbytes = 0
         if me in contributors and slot[1] is None:
-            bounds = share_bounds(sizes, n, contributors.index(me))
-            pieces = share_pieces(sizes, *bounds)
-            parts = []
-            for addr in contributors:
-                if addr == me:
-                    host = j.contributions[round][1]
-                    parts.append(take_share([host[i] for i in floats], pieces))
-                    continue
-                try:
-                    resp = await self.worker.rpc(addr).dlspark_contribution(job=job, round=round, share=list(bounds))
-                except OSError:
-                    resp = {}
-                if resp.get("status") != "OK":
-                    slot[1] = ("lost", addr)  # peers waiting for this share learn whom to drop
-                    slot[0].set()
-                    return {"lost_peer": addr}
-                parts.append(list(resp["leaves"]))
-                nbytes += sum(np.asarray(x).nbytes for x in parts[-1])
-            slot[1] = ("OK", await self._run(j, average_share, parts))
-            slot[0].set()
+            try:
+                bounds = share_bounds(sizes, n, contributors.index(me))
+                pieces = share_pieces(sizes, *bounds)
+                parts = []
+                for addr in contributors:
+                    if addr == me:
+                        host = j.contributions[round][1]
+                        parts.append(take_share([host[i] for i in floats], pieces))
+                        continue
+                    try:
+                        resp = await self.worker.rpc(addr).dlspark_contribution(job=job, round=round,
+                                                                                share=list(bounds))
+                    except OSError:
+                        resp = {}
+                    if resp.get("status") != "OK":
+                        slot[1] = ("lost", addr)  # peers waiting for this share learn whom to drop
+                        return {"lost_peer": addr}
+                    parts.append(list(resp["leaves"]))
+                    nbytes += sum(np.asarray(x).nbytes for x in parts[-1])
+                slot[1] = ("OK", await self._run(j, average_share, parts))
+            finally:
+                if slot[1] is None:  # failed here: its waiters must not wait for their timeout
+                    slot[1] = ("lost", me)
+                slot[0].set()
         elif me in contributors and slot[1][0] != "OK":
             return {"lost_peer": slot[1][1]}
         t_fetch = time.perf_counter() - t0
@@ -453,6 +478,8 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             all_pieces += share_pieces(sizes, *share_bounds(sizes, n, k))
             all_values += values
         await self._run(j, j.set_floats, floats, all_pieces, all_values)
+        if j.contributions.get(round) is not None:  # averaged: its device copy is no longer needed
+            j.contributions[round] = (None, j.contributions[round][1])
         return {"avg_time": time.perf_counter() - t0, "fetch_time": t_fetch, "bytes_received": nbytes,
                 "contributors": contributors}
 
@@ -469,11 +496,11 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         t0 = time.perf_counter()
         if round not in j.contributions:  # no data this round: keep what the round started from
             j.forget_rounds_before(round)
-            j.untouched.setdefault(round, jax.tree_util.tree_leaves(j.state))
+            j.untouched.setdefault(round, [np.asarray(x) for x in jax.tree_util.tree_leaves(j.state)])
         contributors = list(contributors)  # a tuple when it came over the wire
         if contributors == [self.worker.address] and j.contributions.get(round) is not None:
             # Sole contributor: the mean is its own state after its fit.
-            await self._run(j, j.set_leaves, j.contributions[round][0])
+            await self._run(j, j.set_leaves, j.own_contribution(round))
             return {"avg_time": time.perf_counter() - t0, "fetch_time": 0.0, "bytes_received": 0,
                     "contributors": contributors}
         if not contributors and round in j.untouched:
@@ -488,7 +515,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         nbytes = 0
         for addr in contributors:
             if addr == self.worker.address:
-                contribs.append(j.contributions[round][0])
+                contribs.append(j.own_contribution(round))
                 continue
             try:
                 resp = await self.worker.rpc(addr).dlspark_contribution(job=job, round=round)
@@ -501,6 +528,8 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             contribs.append(leaves)
         t_fetch = time.perf_counter() - t0
         await self._run(j, j.average_into_state, contribs)
+        if j.contributions.get(round) is not None:  # averaged: its device copy is no longer needed
+            j.contributions[round] = (None, j.contributions[round][1])
         return {"avg_time": time.perf_counter() - t0, "fetch_time": t_fetch, "bytes_received": nbytes,
                 "contributors": contributors}
 
