@@ -243,3 +243,51 @@ def test_a_teardown_ends_the_calls_still_waiting_on_the_job(client3, make_net, d
 
     share, contribution = client3.sync(scenario)
     assert share["status"] == "lost" and contribution["status"] == "no-contribution"
+
+
+def _fail_first_contribution_call(round_no, dask_worker=None):
+    # Fault injection: a real transient failure between two live workers cannot be made to
+    # happen on cue, so this worker answers one fetch of its contribution as unavailable.
+    handler = dask_worker.handlers["dlspark_contribution"]
+    failed = []
+
+    async def flaky(**kw):
+        if kw.get("round") == round_no and not failed:
+            failed.append(True)
+            return {"status": "unavailable"}
+        return await handler(**kw)
+
+    dask_worker._dlspark_injected = (handler, failed)
+    dask_worker.handlers["dlspark_contribution"] = flaky
+
+
+def _restore_contribution_handler(dask_worker):
+    handler, failed = dask_worker._dlspark_injected
+    dask_worker.handlers["dlspark_contribution"] = handler
+    return len(failed)
+
+
+def test_a_passing_fetch_failure_does_not_throw_a_live_workers_round_away(client3, make_net, digits):
+    # One worker fails to fetch a live peer's share once: the coordinator asks the peer
+    # itself, finds it answers, and has the round averaged again over all three.
+    import optax
+
+    from dlspark import DataSet
+
+    tr, _ = digits
+    batches = tr[:576].batches(32)
+    net = make_net(updater=optax.sgd(0.1))
+    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1),
+                                 progress=False)  # installs the plugins, and so the handlers
+    victim = sorted(client3.scheduler_info()["workers"])[1]
+    client3.run(_fail_first_contribution_call, 3, workers=[victim])
+    try:
+        trainer.fit(batches)
+    finally:
+        injected = client3.run(_restore_contribution_handler, workers=[victim])[victim]
+    assert injected == 1  # the failure happened
+    assert [s["workers"] for s in trainer.last_fit_stats] == [3] * 6  # round 3 kept all three
+    sync = make_net(updater=optax.sgd(0.1))
+    sync.fit([DataSet.merge(batches[i:i + 3]) for i in range(0, len(batches), 3)])
+    for x, y in zip(_leaves(net.state), _leaves(sync.state)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

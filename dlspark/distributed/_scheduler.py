@@ -220,24 +220,34 @@ class _JobRunner:
         )
         avgs = {**{w: f.pop("averaged", None) for w, f in fits.items()}, **idle_avgs}
         contributors = [w for w in expected if w in fits and w in self.live]
-        for _ in range(len(expected) + 1):
+        for attempt in range(1, len(expected) + 3):
             receivers = sorted(self.live)
             if not receivers:
                 return fits, [], {}
             if contributors == expected and all(avgs.get(w) and "lost_peer" not in avgs[w] for w in receivers):
                 return fits, contributors, avgs
-            # A contributor was lost: average again over those left (from the stored
-            # contributions, so a worker that already averaged gets the same result).
-            for a in avgs.values():
-                peer = (a or {}).get("lost_peer")
-                if peer in contributors:
+            # A worker could not fetch from a contributor. If the coordinator cannot reach it
+            # either, it is lost: average again over those left (from the stored
+            # contributions, so a worker that already averaged gets the same result). If it
+            # answers, the failure has passed: average again over the same contributors,
+            # rather than throw its round away.
+            reported = {(a or {}).get("lost_peer") for a in avgs.values()} & set(contributors)
+            for peer in sorted(reported):
+                if self._gone(peer) or not await self._answers(peer):
                     contributors.remove(peer)
-                    if self._gone(peer):
-                        self.worker_left(peer)
+                    self.worker_left(peer)
             expected = contributors = [w for w in contributors if w in self.live]
             avgs, _ = await self._each(receivers, "average",
-                                       lambda w: {"round": plan.round, "contributors": contributors})
+                                       lambda w: {"round": plan.round, "contributors": contributors,
+                                                  "attempt": attempt})
         raise JobFailedError(f"job {self.job}: round {plan.round} could not be averaged")
+
+    async def _answers(self, addr) -> bool:
+        try:
+            await self._call(addr, "rng")
+            return True
+        except Exception:
+            return False
 
     async def _sharing_round(self, plan):
         """Workers step freely, exchanging messages peer to peer; then every replica
@@ -251,7 +261,7 @@ class _JobRunner:
         fits, _ = await self._each(active, "fit",
                                    lambda w: self._fit_kw(plan, hint, w, peers=peers, links=links.get(w)))
         contributors = [w for w in plan.contributors if w in fits and w in self.live]
-        while True:
+        for _ in range(len(self.live) + 3):
             receivers = sorted(self.live)
             if not receivers:
                 return fits, [], {}
@@ -271,14 +281,18 @@ class _JobRunner:
                 missing[w] = need
             syncs, lost = await self._each(sorted(haves), "gs_sync", lambda w: {"missing": missing[w]})
             # A holder that a peer could not reach is dropped from the job, as a lost worker
-            # is; the next pass syncs the rest from the holders left.
+            # is, if the coordinator cannot reach it either; the next pass syncs the rest
+            # from the holders left (or, if the failure passed, from the same ones).
             unreachable = {h for r in syncs.values() for h in r.get("unreachable", ())} & self.live
-            for h in unreachable:
-                logger.warning("dlspark job %s: dropping worker %s, unreachable during the sync", self.job, h)
-                self.worker_left(h)
+            for h in sorted(unreachable):
+                if not await self._answers(h):
+                    logger.warning("dlspark job %s: dropping worker %s, unreachable during the sync", self.job, h)
+                    self.worker_left(h)
             if not lost and not unreachable:
                 break
             contributors = [w for w in contributors if w in self.live]
+        else:
+            raise JobFailedError(f"job {self.job}: round {plan.round}: the replicas could not be synced")
         self._fetched_at_sync = sum(sum(len(k) for k in missing[w].values()) for w in syncs)
         for w, r in syncs.items():
             self.gs_steps[w] = r["step"]

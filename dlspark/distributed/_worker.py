@@ -92,7 +92,8 @@ class _Job:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute")
         self.contributions: dict = {}  # round -> this replica's leaves after its fit
         self.untouched: dict = {}  # round -> leaves of a replica that had no data that round, before averaging
-        self.shares: dict = {}  # round -> {contributors: [Event, ("OK", averaged share) | ("lost", peer)]}
+        # round -> {(contributors, attempt): [Event, ("OK", averaged share) | ("lost", peer)]}
+        self.shares: dict = {}
         self.ready: dict = {}
         self.refs = spec["refs"]
         # One loading thread for the job's life: it reads the next round's first
@@ -310,7 +311,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         except BaseException:
             j.contributions[round] = None  # peers waiting for it learn it will not come
             if average_with and len(average_with) >= 3:  # and those waiting for its share
-                slot = j.shares.setdefault(round, {}).setdefault(tuple(average_with), [asyncio.Event(), None])
+                slot = j.shares.setdefault(round, {}).setdefault((tuple(average_with), 0), [asyncio.Event(), None])
                 if slot[1] is None:
                     slot[1] = ("lost", self.worker.address)
                 slot[0].set()
@@ -415,16 +416,17 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             leaves = take_share(floats, share_pieces([x.size for x in floats], *share))
         return {"status": "OK", "leaves": to_serialize(leaves)}
 
-    async def _share(self, job: str, round: int, contributors: list):
+    async def _share(self, job: str, round: int, contributors: list, attempt: int = 0):
         """This replica's averaged share of ``round`` over ``contributors``, once it has it."""
-        slot = self._job(job).shares.setdefault(round, {}).setdefault(tuple(contributors), [asyncio.Event(), None])
+        key = (tuple(contributors), attempt)
+        slot = self._job(job).shares.setdefault(round, {}).setdefault(key, [asyncio.Event(), None])
         await asyncio.wait_for(slot[0].wait(), timeout=600)
         status, value = slot[1]
         if status != "OK":
             return {"status": "lost", "peer": value}
         return {"status": "OK", "values": to_serialize(value)}
 
-    async def _average_in_shares(self, j, job, round, contributors, t0):
+    async def _average_in_shares(self, j, job, round, contributors, attempt, t0):
         """The mean over three or more contributors, in shares (see ``_averaging``): this
         replica averages its own share, if it is a contributor, then fetches the others'."""
         me = self.worker.address
@@ -432,7 +434,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         leaves = jax.tree_util.tree_leaves(j.state)  # shapes and dtypes; its integer leaves are kept
         floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
         sizes = [leaves[i].size for i in floats]
-        slot = j.shares.setdefault(round, {}).setdefault(tuple(contributors), [asyncio.Event(), None])
+        slot = j.shares.setdefault(round, {}).setdefault((tuple(contributors), attempt), [asyncio.Event(), None])
         nbytes = 0
         if me in contributors and slot[1] is None:
             try:
@@ -468,7 +470,8 @@ class DlsparkWorkerPlugin(WorkerPlugin):
                 values = slot[1][1]
             else:
                 try:
-                    resp = await self.worker.rpc(addr).dlspark_share(job=job, round=round, contributors=contributors)
+                    resp = await self.worker.rpc(addr).dlspark_share(job=job, round=round, contributors=contributors,
+                                                                     attempt=attempt)
                 except OSError:
                     resp = {"peer": addr}
                 if resp.get("status") != "OK":
@@ -483,14 +486,16 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         return {"avg_time": time.perf_counter() - t0, "fetch_time": t_fetch, "bytes_received": nbytes,
                 "contributors": contributors}
 
-    async def _average(self, job: str, round: int, contributors: list):
+    async def _average(self, job: str, round: int, contributors: list, attempt: int = 0):
         """Average this round's contributions, fetched from the peers that hold them.
 
         The result depends on stored inputs only, never on the state an earlier call
         left, so calling it again with fewer contributors (one was lost) is safe: the
         contributions themselves, or, with none left, the state this replica had before
         the round's averaging. A peer whose contribution cannot be had is named in
-        ``lost_peer`` and nothing changes here.
+        ``lost_peer`` and nothing changes here. ``attempt`` numbers the coordinator's
+        calls in a round, so that averaging again over the same contributors (the
+        failure passed) does not reuse a share that failed.
         """
         j = self._job(job)
         t0 = time.perf_counter()
@@ -510,7 +515,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             return {"avg_time": time.perf_counter() - t0, "fetch_time": 0.0, "bytes_received": 0,
                     "contributors": contributors}
         if len(contributors) >= 3:
-            return await self._average_in_shares(j, job, round, contributors, t0)
+            return await self._average_in_shares(j, job, round, contributors, attempt, t0)
         contribs = []
         nbytes = 0
         for addr in contributors:
