@@ -17,7 +17,7 @@ from .distributed._masters import GradientSharing, ParameterAveraging, _positive
 from .distributed._thresholds import ThresholdState
 from .distributed._scheduler import DlsparkSchedulerPlugin
 from .distributed._worker import DlsparkWorkerPlugin
-from .errors import CheckpointError
+from .errors import CheckpointError, JobFailedError
 from .io import url_join
 from .network import Network
 
@@ -399,9 +399,10 @@ class DistributedTrainer:
             result = client.sync(client.scheduler.dlspark_wait, job=job)
             if result["status"] != "OK":
                 raise cloudpickle.loads(result["error"])
-            final = client.sync(_fetch_state, client, result["worker"], job, base_step + result["trained"],
-                                base_epoch + epochs)
+            source, final = client.sync(_fetch_state_from_any, client, result["workers"], job,
+                                        base_step + result["trained"], base_epoch + epochs)
             net.state = state_from_bytes(final, net.state)
+            result["workers"] = [source] + [w for w in result["workers"] if w != source]
             if self.master.algorithm == "sharing":
                 self._after_sharing(result, job, net)
             for s in result["stats"]:
@@ -434,7 +435,10 @@ class DistributedTrainer:
         ref = jax.tree_util.tree_leaves(net.state.params)
         worst = 0.0
         for w in result["workers"][1:]:
-            other = state_from_bytes(self.client.sync(_fetch_state, self.client, w, job, None, None), net.state)
+            try:
+                other = state_from_bytes(self.client.sync(_fetch_state, self.client, w, job, None, None), net.state)
+            except Exception:  # lost since the job ended: it has nothing left to compare
+                continue
             for a, b in zip(ref, jax.tree_util.tree_leaves(other.params)):
                 worst = max(worst, float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
         self.replica_divergence = worst
@@ -642,6 +646,19 @@ async def _setup_workers(client, workers, job, spec, state):
 
 async def _fetch_state(client, worker, job, step, epoch):
     return _checked(await client.rpc(worker).dlspark_state(job=job, step=step, epoch=epoch))["state"]
+
+
+async def _fetch_state_from_any(client, workers, job, step, epoch):
+    """``(worker, state)`` from the first of ``workers`` that sends its state: every replica
+    holds the trained state at the end of a job (bit for bit with averaging, to float
+    tolerance with gradient sharing), so a worker lost just after the job ended costs nothing."""
+    errors = []
+    for worker in workers:
+        try:
+            return worker, await _fetch_state(client, worker, job, step, epoch)
+        except Exception as e:
+            errors.append(f"{worker}: {type(e).__name__}: {e}")
+    raise JobFailedError(f"job {job} finished, but no worker could send its state: {'; '.join(errors)}")
 
 
 def _plugins_installed(dask_scheduler=None):

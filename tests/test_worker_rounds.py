@@ -291,3 +291,31 @@ def test_a_passing_fetch_failure_does_not_throw_a_live_workers_round_away(client
     sync.fit([DataSet.merge(batches[i:i + 3]) for i in range(0, len(batches), 3)])
     for x, y in zip(_leaves(net.state), _leaves(sync.state)):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_the_final_state_comes_from_the_first_worker_that_can_send_it(client3, make_net, digits, tmp_path):
+    # Every replica holds the trained state at the end of a job: a worker lost just after
+    # the job ended (here: one that no longer has it) is passed over, not fatal.
+    from dlspark.errors import JobFailedError
+    from dlspark.trainer import _fetch_state_from_any
+
+    job = _DrivenJob(client3, make_net, digits, tmp_path, 64)
+    a, b, c = job.workers
+
+    async def scenario():
+        await job.setup([b])
+        try:
+            found = await _fetch_state_from_any(client3, [a, b, c], job.id, 7, 1)
+        finally:
+            await job.call(b, "teardown")
+        with pytest.raises(JobFailedError, match="no worker could send its state") as failed:
+            await _fetch_state_from_any(client3, [a, c], job.id, 7, 1)
+        return found, str(failed.value)
+
+    (source, state), message = client3.sync(scenario)
+    assert source == b
+    restored = state_from_bytes(state, job.net.state)
+    assert (int(restored.step), int(restored.epoch)) == (7, 1)
+    for x, y in zip(_leaves(restored), _leaves(job.net.state)):
+        np.testing.assert_array_equal(x, y)
+    assert a in message and c in message
