@@ -209,19 +209,31 @@ def test_a_share_owner_that_cannot_be_reached_is_named_and_the_survivors_average
 
 def test_three_workers_sgd_frequency_one_equals_synchronous_large_batch_sgd(client3, make_net, digits):
     # The whole job with shares: averaging three SGD steps is one step on their union.
+    batches, net, trainer = _sgd_job(client3, make_net, digits)
+    trainer.fit(batches)
+    assert all(s["workers"] == 3 for s in trainer.last_fit_stats)
+    _assert_equals_synchronous_sgd(net, make_net, batches)
+
+
+def _sgd_job(client, make_net, digits):
+    """18 digits minibatches of 32, and a trainer averaging SGD (lr 0.1) after every step;
+    making the trainer installs the plugins, and so the workers' handlers."""
+    import optax
+
+    tr, _ = digits
+    net = make_net(updater=optax.sgd(0.1))
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1)
+    return tr[:576].batches(32), net, DistributedTrainer(client, net, master, progress=False)
+
+
+def _assert_equals_synchronous_sgd(net, make_net, batches, workers=3):
+    """Averaging ``workers`` SGD steps (lr 0.1) each round is one step on their union."""
     import optax
 
     from dlspark import DataSet
 
-    tr, _ = digits
-    batches = tr[:576].batches(32)
-    net = make_net(updater=optax.sgd(0.1))
-    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1),
-                                 progress=False)
-    trainer.fit(batches)
-    assert all(s["workers"] == 3 for s in trainer.last_fit_stats)
     sync = make_net(updater=optax.sgd(0.1))
-    sync.fit([DataSet.merge(batches[i:i + 3]) for i in range(0, len(batches), 3)])
+    sync.fit([DataSet.merge(batches[i:i + workers]) for i in range(0, len(batches), workers)])
     for x, y in zip(_leaves(net.state), _leaves(sync.state)):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
@@ -270,15 +282,7 @@ def _restore_contribution_handler(dask_worker):
 def test_a_passing_fetch_failure_does_not_throw_a_live_workers_round_away(client3, make_net, digits):
     # One worker fails to fetch a live peer's share once: the coordinator asks the peer
     # itself, finds it answers, and has the round averaged again over all three.
-    import optax
-
-    from dlspark import DataSet
-
-    tr, _ = digits
-    batches = tr[:576].batches(32)
-    net = make_net(updater=optax.sgd(0.1))
-    trainer = DistributedTrainer(client3, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1),
-                                 progress=False)  # installs the plugins, and so the handlers
+    batches, net, trainer = _sgd_job(client3, make_net, digits)
     victim = sorted(client3.scheduler_info()["workers"])[1]
     client3.run(_fail_first_contribution_call, 3, workers=[victim])
     try:
@@ -287,10 +291,7 @@ def test_a_passing_fetch_failure_does_not_throw_a_live_workers_round_away(client
         injected = client3.run(_restore_contribution_handler, workers=[victim])[victim]
     assert injected == 1  # the failure happened
     assert [s["workers"] for s in trainer.last_fit_stats] == [3] * 6  # round 3 kept all three
-    sync = make_net(updater=optax.sgd(0.1))
-    sync.fit([DataSet.merge(batches[i:i + 3]) for i in range(0, len(batches), 3)])
-    for x, y in zip(_leaves(net.state), _leaves(sync.state)):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+    _assert_equals_synchronous_sgd(net, make_net, batches)
 
 
 def test_the_final_state_comes_from_the_first_worker_that_can_send_it(client3, make_net, digits, tmp_path):

@@ -19,6 +19,17 @@ def is_averaged(a) -> bool:
     return bool(jnp.issubdtype(a.dtype, jnp.floating)) if hasattr(a, "dtype") else is_averaged(np.asarray(a))
 
 
+def _mean_of(parts, dtype):
+    """The mean of same-shaped arrays, as every averaging path computes it: one copy in
+    at least fp32, in-place adds in the given order, one in-place divide, then ``dtype``."""
+    acc = np.array(parts[0], dtype=np.promote_types(dtype, np.float32), copy=True)
+    for x in parts[1:]:
+        np.add(acc, x, out=acc)
+    if len(parts) > 1:
+        np.divide(acc, len(parts), out=acc)
+    return acc.astype(dtype, copy=False)
+
+
 def average_leaves(own: list, contributions: list) -> list:
     """Element-wise mean of ``contributions`` (lists of leaves, in a fixed order).
 
@@ -37,12 +48,7 @@ def average_leaves(own: list, contributions: list) -> list:
         if n == 1:
             out.append(np.asarray(contributions[0][i]))
             continue
-        # One copy, n-1 in-place adds, one in-place divide: few passes over memory.
-        acc = np.array(contributions[0][i], dtype=np.promote_types(mine.dtype, np.float32), copy=True)
-        for c in contributions[1:]:
-            np.add(acc, c[i], out=acc)
-        np.divide(acc, n, out=acc)
-        out.append(acc.astype(mine.dtype, copy=False))
+        out.append(_mean_of([c[i] for c in contributions], mine.dtype))
     return out
 
 
@@ -110,16 +116,7 @@ def take_share(leaves: list, pieces: list) -> list:
 
 def average_share(shares: list) -> list:
     """Mean of each contributor's slices (``shares[c]`` is contributor c's list), as average_leaves does it."""
-    n = len(shares)
-    out = []
-    for parts in zip(*shares):
-        acc = np.array(parts[0], dtype=np.promote_types(parts[0].dtype, np.float32), copy=True)
-        for x in parts[1:]:
-            np.add(acc, x, out=acc)
-        if n > 1:
-            np.divide(acc, n, out=acc)
-        out.append(acc.astype(parts[0].dtype, copy=False))
-    return out
+    return [_mean_of(parts, parts[0].dtype) for parts in zip(*shares)]
 
 
 def assemble(like: list, pieces: list, values: list) -> list:
