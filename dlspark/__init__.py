@@ -5,7 +5,7 @@ The public surface is re-exported here; submodules ``dlspark.data``,
 hold the rest.
 """
 
-from . import data, datasets, errors, evaluation, io, losses
+from . import config, data, datasets, errors, evaluation, io, losses
 from .data import DataSet, MultiDataSet
 from .model import Model
 from .distributed import (AdaptiveThreshold, FixedThreshold, GradientSharing, NoResidualPostProcessing,
@@ -29,6 +29,7 @@ __all__ = [
     "NoResidualPostProcessing",
     "DataSet",
     "MultiDataSet",
+    "config",
     "data",
     "datasets",
     "errors",
