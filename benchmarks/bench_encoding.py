@@ -12,8 +12,8 @@ import timeit
 
 import numpy as np
 
-from dlspark.distributed import _encoding
-from dlspark.distributed._encoding import decode, encode_scratch, threshold_encode
+from dlspark.algorithms.sharing import _encoding
+from dlspark.algorithms.sharing._encoding import decode, encode_scratch, threshold_encode
 
 N = 4_000_000
 LENGTHS = (N, 64_000_000)

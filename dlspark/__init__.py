@@ -8,7 +8,7 @@ hold the rest.
 from . import config, data, datasets, errors, evaluation, io, losses
 from .data import DataSet, MultiDataSet
 from .model import Model
-from .distributed import (AdaptiveThreshold, FixedThreshold, GradientSharing, NoResidualPostProcessing,
+from .algorithms import (AdaptiveThreshold, FixedThreshold, GradientSharing, NoResidualPostProcessing,
                           ParameterAveraging, ResidualClipping, TargetSparsityThreshold)
 from .network import Network, TrainState
 from .trainer import DistributedTrainer

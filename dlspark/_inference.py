@@ -1,73 +1,106 @@
-"""Worker-side functions for distributed evaluation, keyed inference and scoring.
+"""Distributed evaluation, keyed inference and scoring.
 
-Module-level and picklable; each worker process rebuilds (and compiles) a
-network once per token and reuses it for every task that names the token.
+The client-side halves (:func:`do_evaluation`, :func:`predict_with_keys`,
+:func:`score_examples`) take a client and the future of a scattered
+:func:`network_blob`; :class:`~dlspark.DistributedTrainer` delegates to them.
+What the data is, and how it splits into parts, is
+:mod:`dlspark.data._sources`' business. The worker-side functions are
+module-level and picklable; each worker process keeps one compiled network per
+network token (:mod:`dlspark._netcache`) and reads minibatches with
+:func:`dlspark.data.load_ref`.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import cloudpickle
 import numpy as np
 
-__all__ = ["network_blob", "evaluate_part", "predict_part", "score_part", "merge_evaluations"]
+from ._netcache import network_at
+from .data._sources import SourceContext, evaluation_parts, in_memory_examples, keyed_items, load_ref
 
-_CACHE: dict = {}
-_LOCK = threading.Lock()
-_MAX_CACHED = 4
+__all__ = ["network_blob", "scatter_network", "do_evaluation", "predict_with_keys", "score_examples",
+           "evaluate_part", "merge_evaluations", "predict_stacked", "predict_part", "score_part"]
 
 
-def network_blob(network, token):
-    """What a worker needs to rebuild ``network``: its definition and state (version ``token``), pickled once."""
+# -- the network, as workers rebuild it ---------------------------------------------
+def network_blob(network, version):
+    """What a worker needs to rebuild ``network`` at state ``version``: its token, definition
+    and state, pickled once."""
     from .checkpoint import state_to_bytes
 
-    return cloudpickle.dumps({"token": token, "network": network.token, "definition": network.definition(),
+    return cloudpickle.dumps({"token": version, "network": network.token, "definition": network.definition(),
                               "state": state_to_bytes(network.state)})
 
 
+def scatter_network(client, network):
+    """Broadcast ``network`` at its current state to every worker; returns the future."""
+    return client.scatter(network_blob(network, uuid.uuid4().hex), broadcast=True, hash=False)
+
+
 def _network(blob):
-    """The worker's copy of a network at the blob's state version.
-
-    One compiled copy per network (its token): a new state version (after a
-    fit, say) only swaps the arrays in, so evaluation after each epoch does not
-    compile again.
-    """
     d = cloudpickle.loads(blob) if isinstance(blob, (bytes, bytearray)) else blob
-    with _LOCK:
-        entry = _CACHE.get(d["network"])
-        if entry is None:
-            from .network import Network
-
-            if len(_CACHE) >= _MAX_CACHED:
-                _CACHE.pop(next(iter(_CACHE)))
-            entry = _CACHE[d["network"]] = {"net": Network.from_definition(d["definition"]), "states": {}}
-        states = entry["states"]
-        if d["token"] not in states:
-            from .checkpoint import state_from_bytes
-
-            if len(states) >= 2:
-                states.pop(next(iter(states)))
-            states[d["token"]] = state_from_bytes(d["state"], entry["net"].state)
-        # A shallow copy shares the compiled steps (built here first, once) but
-        # holds its own state, so concurrent tasks at different versions never
-        # see each other's arrays.
-        entry["net"].steps  # noqa: B018 - builds the jitted functions on the shared network
-        view = copy.copy(entry["net"])
-        view.state = states[d["token"]]
-    return view
+    return network_at(d["definition"], d["network"], d["token"], d["state"])
 
 
-def _load(ref, loader, storage_options):
-    from .data import as_dataset, load_minibatch
+# -- evaluation ------------------------------------------------------------------------
+def _check_evaluations(evaluations):
+    from .evaluation import BaseEvaluation
 
-    if isinstance(ref, str):
-        if loader is not None:
-            return as_dataset(loader(ref), f"the loader's result for {ref!r}")
-        return load_minibatch(ref, **(storage_options or {}))
-    return as_dataset(ref)
+    if not evaluations:
+        raise TypeError("do_evaluation needs at least one evaluation, e.g. do_evaluation(data, 64, Evaluation())")
+    bad = [type(e).__name__ for e in evaluations if not isinstance(e, BaseEvaluation)]
+    if bad:
+        raise TypeError(f"evaluations must be dlspark.evaluation objects, got {bad[0]}")
+
+
+def do_evaluation(client, net_future, data, evaluations, batch_size, *, loader=None, storage_options=None,
+                  threads=1, n_workers=1):
+    """Fill ``evaluations`` in one pass over ``data`` on the cluster; returns them, in order.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    net_future : distributed.Future
+        Of :func:`network_blob` (see :func:`scatter_network`).
+    data : object
+        What :func:`dlspark.data.evaluation_parts` takes: a DataSet, a pair,
+        a list of DataSets, minibatch file URLs, a pair of dask arrays, a bag.
+    evaluations : sequence of dlspark.evaluation objects
+        Filled in place from the merged partial evaluations.
+    batch_size : int
+        Examples per forward pass on the workers.
+    loader, storage_options : optional
+        How workers read file URLs.
+    threads : int
+        Minibatches each task evaluates at once.
+    n_workers : int
+        The data is split into ``2 * n_workers`` parts.
+    """
+    _check_evaluations(evaluations)
+    evaluations = list(evaluations)
+    ctx = SourceContext(client, batch_size, storage_options=storage_options, loader=loader)
+    kind, parts = evaluation_parts(data, ctx, max(1, 2 * n_workers))
+    args = (evaluations, batch_size, loader, storage_options, threads)
+    if kind == "refs":
+        futures = [client.submit(evaluate_part, net_future, p, *args, pure=False) for p in parts]
+    else:
+        import dask
+
+        futures = client.compute([dask.delayed(evaluate_part)(net_future, p, *args) for p in parts])
+    if not futures:
+        raise ValueError(f"evaluation data holds no examples (got an empty {type(data).__name__})")
+    # A tree of pairwise merges on the workers: the client receives one list of evaluations.
+    while len(futures) > 1:
+        futures = [client.submit(merge_evaluations, futures[i], futures[i + 1], pure=False)
+                   if i + 1 < len(futures) else futures[i] for i in range(0, len(futures), 2)]
+    for target, result in zip(evaluations, futures[0].result()):
+        target.__dict__.update(result.__dict__)
+    return evaluations
 
 
 def _batches(ds, batch_size):
@@ -75,13 +108,13 @@ def _batches(ds, batch_size):
 
 
 def evaluate_part(blob, refs, evaluations, batch_size, loader=None, storage_options=None, threads=1):
-    """Fill copies of ``evaluations`` from the minibatches ``refs``; each file is read once."""
+    """Runs on a worker: fill copies of ``evaluations`` from the minibatches ``refs``; each is read once."""
     net = _network(blob)
     evals = [copy.deepcopy(e) for e in evaluations]
     lock = threading.Lock()
 
     def one(ref):
-        ds = _load(ref, loader, storage_options)
+        ds = load_ref(ref, loader, storage_options)
         for b in _batches(ds, batch_size):
             _, labels, fmask, lmask = b.jit_batch()
             out = net.output(b.features, features_mask=fmask)
@@ -105,6 +138,54 @@ def merge_evaluations(a, b):
     return [x.merge(y) for x, y in zip(a, b)]
 
 
+# -- keyed inference -------------------------------------------------------------------
+def predict_with_keys(client, net_future, keyed_features, batch_size, features_mask=None, workers=None):
+    """Keyed outputs for keyed features, keyed as the input was (DL4J's ``feedForwardWithKey``).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    net_future : distributed.Future
+        Of :func:`network_blob`.
+    keyed_features : dict, list of (key, array) pairs or dask bag of pairs
+        A bag returns a bag (``features_mask`` is not used for it).
+    batch_size : int
+    features_mask : dict, optional
+        Key -> per-example mask.
+    workers : list of str, optional
+        Worker addresses that receive the blocks of examples; default: all.
+    """
+    keyed = keyed_items(keyed_features)
+    if keyed is None:
+        raise TypeError("keyed features must be a dict, a list of (key, array) pairs or a dask bag, "
+                        f"got {type(keyed_features).__name__}")
+    kind, items = keyed
+    if kind == "bag":
+        import dask
+        import dask.bag as db
+
+        return db.from_delayed([dask.delayed(predict_part)(net_future, part, batch_size)
+                                for part in items.to_delayed()])
+    if not items:
+        return {} if kind == "dict" else []
+    workers = list(workers or sorted(client.scheduler_info()["workers"]))
+    # Keys stay here; workers get stacked blocks of examples and return blocks of
+    # outputs (no per-example Python objects on the wire). Blocks go out as soon as
+    # they are stacked, round robin, so workers compute while the rest is stacked.
+    step = -(-len(items) // max(1, 4 * len(workers)))
+    chunks = [items[i:i + step] for i in range(0, len(items), step)]
+    futures = []
+    for i, c in enumerate(chunks):
+        block = stack_examples([f for _, f in c])
+        mask = None if features_mask is None else np.stack([np.asarray(features_mask[k]) for k, _ in c])
+        where = [workers[i % len(workers)]]
+        [data] = client.scatter([block], workers=where, hash=False)
+        futures.append(client.submit(predict_stacked, net_future, data, batch_size, mask, workers=where,
+                                     allow_other_workers=True, pure=False))
+    out = [pair for c, o in zip(chunks, client.gather(futures)) for pair in unstack_outputs([k for k, _ in c], o)]
+    return dict(out) if kind == "dict" else out
+
+
 def stack_examples(feats):
     """Stack per-example arrays (or tuples of arrays) into one batch."""
     if isinstance(feats[0], (tuple, list)):  # multi-input examples: stack each input
@@ -113,25 +194,68 @@ def stack_examples(feats):
 
 
 def predict_stacked(blob, stacked, batch_size, fmask=None):
-    """Outputs for a stacked block of examples (the keys stay with the caller)."""
+    """Runs on a worker: outputs for a stacked block of examples (the keys stay with the caller)."""
     return _network(blob).output(stacked, batch_size=batch_size, features_mask=fmask)
 
 
 def unstack_outputs(keys, out):
+    """``[(key, output)]`` from a block of outputs (a tuple per key for multi-output networks)."""
     if isinstance(out, tuple):
         return [(k, tuple(o[i] for o in out)) for i, k in enumerate(keys)]
     return [(k, out[i]) for i, k in enumerate(keys)]
 
 
 def predict_part(blob, items, batch_size):
-    """``[(key, features)] -> [(key, outputs)]`` (dask bag partitions)."""
+    """Runs on a worker: ``[(key, features)] -> [(key, outputs)]`` (dask bag partitions)."""
     if not items:
         return []
     keys = [k for k, _ in items]
     return unstack_outputs(keys, predict_stacked(blob, stack_examples([f for _, f in items]), batch_size))
 
 
+# -- scoring -----------------------------------------------------------------------------
+def score_examples(client, net_future, data, batch_size, n_workers=1):
+    """Per-example losses (DL4J's ``scoreExamples``).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    net_future : distributed.Future
+        Of :func:`network_blob`.
+    data : DataSet, (features, labels), list of DataSets, or keyed examples
+        Keyed examples (a dict or a list of ``(key, DataSet)`` pairs) return
+        the same kind, keyed; anything else an array in example order.
+    batch_size : int
+    n_workers : int
+        The examples are split into ``2 * n_workers`` contiguous parts.
+    """
+    keyed = keyed_items(data, of="examples")
+    if keyed is not None:
+        return _score_keyed(client, net_future, keyed, batch_size, n_workers)
+    ds = in_memory_examples(data)
+    # contiguous parts, so that concatenation keeps example order
+    step = max(1, -(-len(ds) // max(1, 2 * n_workers)))
+    pieces = client.scatter([[ds[i:i + step]] for i in range(0, len(ds), step)], hash=False)
+    futures = [client.submit(score_part, net_future, p, batch_size, pure=False) for p in pieces]
+    return np.concatenate(client.gather(futures))
+
+
+def _score_keyed(client, net_future, keyed, batch_size, n_workers):
+    from .data import as_dataset
+
+    kind, items = keyed
+    if not items:
+        return {} if kind == "dict" else []
+    parts = [as_dataset(d, f"the examples of key {k!r}") for k, d in items]
+    losses = score_examples(client, net_future, type(parts[0]).merge(parts), batch_size, n_workers)
+    bounds = np.cumsum([0] + [len(d) for d in parts])
+    # A key with one example scores as a float, a key with several as an array.
+    vals = [losses[a:b] if b - a > 1 else float(losses[a]) for a, b in zip(bounds[:-1], bounds[1:])]
+    pairs = list(zip([k for k, _ in items], vals))
+    return dict(pairs) if kind == "dict" else pairs
+
+
 def score_part(blob, refs, batch_size, loader=None, storage_options=None):
-    """Per-example losses of the minibatches ``refs`` (in order)."""
+    """Runs on a worker: per-example losses of the minibatches ``refs`` (in order)."""
     net = _network(blob)
-    return np.concatenate([net.score_examples(_load(r, loader, storage_options), batch_size) for r in refs])
+    return np.concatenate([net.score_examples(load_ref(r, loader, storage_options), batch_size) for r in refs])

@@ -8,6 +8,10 @@ Members:
 ``arrays.npz``
     The train state's arrays, ``a0``, ``a1``, ... in leaf order, read with
     ``allow_pickle=False``.
+``aux.npz``
+    Optional: arrays an algorithm keeps beside the train state (an outer
+    optimizer's state), ``a0``, ``a1``, ... in leaf order, listed in the
+    metadata's ``aux_leaves``.
 ``definition.pkl``
     The network's definition (model, loss, updater, seed) as a cloudpickle.
     Only :func:`load_checkpoint` (``Network.load``) reads it; it executes code,
@@ -33,7 +37,7 @@ from .errors import CheckpointError
 from .io import NPY_READ_LOCK, read_bytes, write_bytes
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "load_checkpoint", "read_checkpoint_meta", "state_to_bytes",
-           "state_from_bytes", "FORMAT_VERSION"]
+           "state_from_bytes", "read_checkpoint_aux", "FORMAT_VERSION"]
 
 FORMAT = "dlspark-checkpoint"
 FORMAT_VERSION = 1
@@ -91,21 +95,30 @@ def _dump_definition(definition) -> bytes:
         return cloudpickle.dumps(definition)
 
 
-def state_to_bytes(state, extra: dict | None = None, definition: dict | None = None) -> bytes:
-    """Serialise a train state pytree (and optionally a definition) to checkpoint bytes."""
+def _npz(leaves) -> bytes:
+    out = io.BytesIO()
+    np.savez(out, **{f"a{i}": _encode_array(a) for i, (_, a) in enumerate(leaves)})
+    return out.getvalue()
+
+
+def _describe(leaves):
+    return [{"path": p, "shape": list(a.shape), "dtype": a.dtype.name} for p, a in leaves]
+
+
+def state_to_bytes(state, extra: dict | None = None, definition: dict | None = None, aux=None) -> bytes:
+    """Serialise a train state pytree (and optionally a definition, and ``aux``: a pytree of
+    arrays an algorithm keeps beside the state) to checkpoint bytes."""
     leaves, _ = _leaves(state)
-    meta = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "leaves": [{"path": p, "shape": list(a.shape), "dtype": a.dtype.name} for p, a in leaves],
-        **(extra or {}),
-    }
-    arrays = io.BytesIO()
-    np.savez(arrays, **{f"a{i}": _encode_array(a) for i, (_, a) in enumerate(leaves)})
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "leaves": _describe(leaves), **(extra or {})}
+    aux_leaves = None if aux is None else _leaves(aux)[0]
+    if aux_leaves is not None:
+        meta["aux_leaves"] = _describe(aux_leaves)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
         z.writestr("dlspark.json", json.dumps(meta, indent=1))
-        z.writestr("arrays.npz", arrays.getvalue())
+        z.writestr("arrays.npz", _npz(leaves))
+        if aux_leaves is not None:
+            z.writestr("aux.npz", _npz(aux_leaves))
         if definition is not None:
             z.writestr("definition.pkl", _dump_definition(definition))
     return buf.getvalue()
@@ -130,13 +143,13 @@ def _open(url, raw):
     return z, meta
 
 
-def _read_arrays(url, z, meta):
+def _read_arrays(url, z, meta, member="arrays.npz", key="leaves"):
     try:
-        with NPY_READ_LOCK, np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
-            arrays = [npz[f"a{i}"] for i in range(len(meta["leaves"]))]
+        with NPY_READ_LOCK, np.load(io.BytesIO(z.read(member)), allow_pickle=False) as npz:
+            arrays = [npz[f"a{i}"] for i in range(len(meta[key]))]
     except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError) as e:
         raise CheckpointError(url, f"array data is truncated or corrupt ({type(e).__name__}: {e})") from None
-    return [_decode_array(a, leaf["dtype"], tuple(leaf["shape"])) for a, leaf in zip(arrays, meta["leaves"])]
+    return [_decode_array(a, leaf["dtype"], tuple(leaf["shape"])) for a, leaf in zip(arrays, meta[key])]
 
 
 def state_from_bytes(raw: bytes, like, url: str = "<bytes>"):
@@ -177,6 +190,14 @@ def restore_checkpoint(url: str, like, **storage_options):
 def read_checkpoint_meta(url: str, **storage_options) -> dict:
     """The checkpoint's ``dlspark.json`` metadata (format, leaves, counters, fit progress)."""
     return _open(url, _read(url, storage_options))[1]
+
+
+def read_checkpoint_aux(url: str, **storage_options):
+    """The arrays an algorithm kept beside the state (leaf order), or None if there are none."""
+    z, meta = _open(url, _read(url, storage_options))
+    if "aux_leaves" not in meta:
+        return None
+    return _read_arrays(url, z, meta, "aux.npz", "aux_leaves")
 
 
 def load_checkpoint(url: str, **storage_options):

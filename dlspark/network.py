@@ -305,25 +305,9 @@ class Network:
     # --- training -------------------------------------------------------------
     def _minibatches(self, data, batch_size, epochs):
         """Normalise fit's input to a re-iterable list of minibatches (or a one-shot iterator)."""
-        if isinstance(data, str):
-            return [u for u in list_minibatches(data)], True
-        if isinstance(data, (DataSet, MultiDataSet)) or (isinstance(data, tuple) and not isinstance(data[0], (DataSet, MultiDataSet, str))):
-            return as_dataset(data).batches(batch_size), False
-        if isinstance(data, (list, tuple)):
-            if data and all(isinstance(u, str) for u in data):
-                return list(data), True
-            bad = [type(d).__name__ for d in data if not isinstance(d, (DataSet, MultiDataSet))]
-            if bad:
-                raise TypeError(f"a list given to fit must hold DataSets (minibatches) or file URLs, found {bad[0]}")
-            return list(data), False
-        if hasattr(data, "__iter__"):
-            if epochs != 1:
-                raise ValueError("an iterator of minibatches can be consumed once: pass epochs=1 or a list")
-            return data, False
-        raise TypeError(
-            "fit takes a DataSet, a (features, labels) pair, a list of DataSets, minibatch file URLs "
-            f"or a glob; got {type(data).__name__}"
-        )
+        from .data._sources import local_batches
+
+        return local_batches(data, batch_size, epochs)
 
     def fit(self, data, epochs: int = 1, batch_size: int = 32, shuffle: bool = False, progress: bool = False):
         """Train locally.
@@ -378,11 +362,18 @@ class Network:
         self.state, loss, ok = self.steps.train_step(self.state, _to_device_batch(ds))
         loss = float(loss)
         if not bool(ok):
-            if self.on_nonfinite == "raise":
-                raise NonFiniteLossError(it, loss)
+            self.nonfinite(it, loss)
             return loss
         self.score_history.append((it, loss))
         return loss
+
+    def nonfinite(self, iteration: int, loss: float) -> None:
+        """The one non-finite-loss policy, for local, averaged and shared training alike: with
+        ``on_nonfinite="raise"`` raise :class:`~dlspark.errors.NonFiniteLossError` naming the
+        iteration (the caller keeps the parameters from before that step); with ``"skip"``
+        return, and the caller drops the minibatch."""
+        if self.on_nonfinite == "raise":
+            raise NonFiniteLossError(iteration, loss)
 
     # --- inference ------------------------------------------------------------
     def output(self, features, batch_size: int | None = None, features_mask=None):

@@ -2,7 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlspark.distributed._averaging import average_leaves, average_on_device
+from dlspark.algorithms.averaging._numerics import average_leaves, average_on_device
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
@@ -33,7 +33,7 @@ def test_device_average_of_nothing_is_the_replica_itself():
 def test_shares_put_together_have_the_bits_of_the_full_mean(n):
     # Each of n owners averages its share of the flat floating-point elements; the
     # shares put together are the mean, bit for bit, whatever the leaves' sizes.
-    from dlspark.distributed._averaging import (assemble, average_share, is_averaged, share_bounds, share_pieces,
+    from dlspark.algorithms.averaging._numerics import (assemble, average_share, is_averaged, share_bounds, share_pieces,
                                                 take_share)
 
     rng = np.random.default_rng(n)

@@ -4,10 +4,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dlspark.distributed import _encoding
-from dlspark.distributed._encoding import (BITMAP, HEADER_WORDS, SPARSE, bitmap_words, decode, encode_scratch,
+from dlspark.algorithms.sharing import _encoding
+from dlspark.algorithms.sharing._encoding import (BITMAP, HEADER_WORDS, SPARSE, bitmap_words, decode, encode_scratch,
                                            message_info, threshold_encode)
-from dlspark.distributed._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing,
+from dlspark.algorithms.sharing._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing,
                                              ResidualClipping, TargetSparsityThreshold, ThresholdState)
 
 floats = st.floats(-10, 10, allow_nan=False, allow_infinity=False, width=32)

@@ -108,7 +108,7 @@ def test_progress_reports_done_minibatches():
 def test_tree_links_form_a_tree_with_bounded_fanout():
     from collections import deque
 
-    from dlspark.distributed._plan import tree_links
+    from dlspark.algorithms.sharing._topology import tree_links
 
     ws = [f"w{i:02d}" for i in range(11)]
     links = tree_links(ws, 2)

@@ -170,7 +170,7 @@ def test_a_non_finite_loss_stops_or_skips_as_the_network_says(client2, make_net,
 def test_the_decoded_sum_reaches_a_cpu_device_without_a_copy():
     # The step's decoded sum is written in a reused, aligned host vector that the apply
     # reads in place; a copy here would cost a pass over 4n bytes every step.
-    from dlspark.distributed._sharing import _aligned_zeros
+    from dlspark.algorithms.sharing._state import _aligned_zeros
 
     for n in (1, 1000, 1 << 20):
         total = _aligned_zeros(n)

@@ -300,30 +300,31 @@ def _worker_jobs(dask_worker):
     return sorted(dask_worker.plugins["dlspark"].jobs)
 
 
-def test_a_job_whose_client_dies_is_stopped_and_torn_down(client2, make_net, digits, tmp_path, monkeypatch):
+def test_a_job_whose_client_dies_is_stopped_and_torn_down(client2, make_net, digits, tmp_path):
     import subprocess
     import sys
     import time
 
-    from dlspark.distributed import _scheduler
+    import dask
 
-    monkeypatch.setattr(_scheduler, "CLIENT_GRACE", 1.0)  # the scheduler runs in this process
-    tr, _ = digits
-    dlspark.data.save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=8)
-    script = tmp_path / "client.py"
-    script.write_text(_ABANDONING_CLIENT)
-    proc = subprocess.Popen([sys.executable, str(script), client2.scheduler.address, str(tmp_path / "mb")],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "round"  # its job is running
-        assert len(client2.run_on_scheduler(_coordinator_jobs)) == 1
-    finally:
-        proc.kill()
-        proc.wait()
-    deadline = time.monotonic() + 30
-    while client2.run_on_scheduler(_coordinator_jobs) or any(client2.run(_worker_jobs).values()):
-        assert time.monotonic() < deadline, "the dead client's job still runs"
-        time.sleep(0.2)
+    # the scheduler runs in this process: the setting reaches it
+    with dask.config.set({"dlspark.scheduler.client-grace": "1s"}):
+        tr, _ = digits
+        dlspark.data.save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=8)
+        script = tmp_path / "client.py"
+        script.write_text(_ABANDONING_CLIENT)
+        proc = subprocess.Popen([sys.executable, str(script), client2.scheduler.address, str(tmp_path / "mb")],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "round"  # its job is running
+            assert len(client2.run_on_scheduler(_coordinator_jobs)) == 1
+        finally:
+            proc.kill()
+            proc.wait()
+        deadline = time.monotonic() + 30
+        while client2.run_on_scheduler(_coordinator_jobs) or any(client2.run(_worker_jobs).values()):
+            assert time.monotonic() < deadline, "the dead client's job still runs"
+            time.sleep(0.2)
     # the workers train the next job at full strength
     net = make_net()
     DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32), progress=False).fit(tr[:256])

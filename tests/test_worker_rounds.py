@@ -151,7 +151,7 @@ def test_sync_names_a_holder_it_cannot_fetch_from_instead_of_failing(client3, ma
 def test_three_contributors_average_in_shares_with_the_bits_of_the_full_mean(client3, make_net, digits, tmp_path):
     # Each of three contributors averages one share and fetches the two others: every
     # replica receives 4/3 of the parameters instead of 2x, and all hold the same bits.
-    from dlspark.distributed._averaging import average_leaves
+    from dlspark.algorithms.averaging._numerics import average_leaves
 
     job = _DrivenJob(client3, make_net, digits, tmp_path, 96)
     net, urls, call, workers = job.net, job.urls, job.call, job.workers

@@ -1,16 +1,28 @@
-"""The distributed algorithms: masters, the round planner, averaging, and the Dask plugins.
+"""The engine: generic Dask plugins, the job state machine, typed messages, the job client.
 
-The pure parts (``ParameterAveraging``, ``Coordinator``, ``average_leaves``)
-import no Dask; the plugins live in private modules imported by the trainer.
+Nothing here knows an algorithm: each is a plug-in in :mod:`dlspark.algorithms`
+(its master creates its round driver and worker run). The pure parts
+(``JobMachine``, ``Coordinator``) import no Dask; the plugins live in private
+modules. The masters, threshold algorithms and codecs are also reachable here
+for code written against earlier releases (imported on first use: the
+algorithms import this package's messages).
 """
 
-from ._averaging import average_leaves
-from ._encoding import decode, threshold_encode
-from ._masters import GradientSharing, ParameterAveraging
+from ._machine import JobMachine
 from ._plan import Coordinator, RoundPlan
-from ._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing, ResidualClipping,
-                          TargetSparsityThreshold, ThresholdState)
 
-__all__ = ["ParameterAveraging", "GradientSharing", "Coordinator", "RoundPlan", "average_leaves",
-           "threshold_encode", "decode", "AdaptiveThreshold", "TargetSparsityThreshold", "FixedThreshold",
-           "ThresholdState", "ResidualClipping", "NoResidualPostProcessing"]
+_ALGORITHMS = {"ParameterAveraging": "algorithms", "GradientSharing": "algorithms", "AdaptiveThreshold": "algorithms",
+               "TargetSparsityThreshold": "algorithms", "FixedThreshold": "algorithms",
+               "ThresholdState": "algorithms", "ResidualClipping": "algorithms",
+               "NoResidualPostProcessing": "algorithms", "average_leaves": "algorithms.averaging",
+               "threshold_encode": "algorithms.sharing", "decode": "algorithms.sharing"}
+
+__all__ = ["JobMachine", "Coordinator", "RoundPlan", *_ALGORITHMS]
+
+
+def __getattr__(name):
+    if name in _ALGORITHMS:
+        import importlib
+
+        return getattr(importlib.import_module(f"dlspark.{_ALGORITHMS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,35 +9,18 @@ event by event without a cluster.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["RoundPlan", "Coordinator", "split_balanced", "tree_links"]
+__all__ = ["RoundPlan", "Coordinator", "split_balanced"]
 
 
 def split_balanced(items: list, n: int) -> list:
     """Split ``items`` into ``n`` contiguous shares whose sizes differ by at most one."""
     return [list(part) for part in np.array_split(np.asarray(items, dtype=np.int64), n)] if n else []
-
-
-def tree_links(workers, fanout: int) -> dict:
-    """Neighbours of each worker in a ``fanout``-ary tree over the sorted workers.
-
-    Flooding a message along a tree (each node forwards to its neighbours but
-    the one it heard from) reaches every node exactly once, and no node talks
-    to more than ``fanout + 1`` others: DL4J's mesh mode for large clusters.
-    """
-    if fanout < 1:
-        raise ValueError(f"fanout must be >= 1, got {fanout!r}")
-    ws = sorted(workers)
-    links = {w: [] for w in ws}
-    for i, w in enumerate(ws[1:], start=1):
-        parent = ws[(i - 1) // fanout]
-        links[w].append(parent)
-        links[parent].append(w)
-    return {w: sorted(v) for w, v in links.items()}
 
 
 @dataclass
@@ -150,24 +133,23 @@ class Coordinator:
 
     def peek_round(self, workers) -> dict:
         """The assignment the next :meth:`plan_round` over ``workers`` will make if the round in
-        flight completes with every worker: a prefetch hint, changing nothing here.
+        flight completes with every worker: a prefetch hint, planned on a copy of this planner.
 
         Returns ``{worker: [minibatch, ...]}`` (empty when the job will be complete).
         """
-        saved = (self.epoch, self.round, self.done, self.inflight, self.trained_total, self._queues,
-                 self._pending)
-        # ``done`` only filters the next epoch's refill, which starts from an empty set; the
-        # queues and the pending deque are copied because planning pops from them.
-        self.done = set()
-        self._queues = None if self._queues is None else {w: deque(q) for w, q in self._queues.items()}
-        self._pending = deque(self._pending)
-        try:
-            self.complete_round(None, self.inflight)
-            plan = self.plan_round(workers) if workers else None
-            return {} if plan is None else {w: r for w, r in plan.assignment.items() if r}
-        finally:
-            (self.epoch, self.round, self.done, self.inflight, self.trained_total, self._queues,
-             self._pending) = saved
+        ahead = self.copy()
+        ahead.complete_round(None, ahead.inflight)
+        plan = ahead.plan_round(workers) if workers else None
+        return {} if plan is None else {w: r for w, r in plan.assignment.items() if r}
+
+    def copy(self) -> "Coordinator":
+        """An independent planner in the same position (``partitions`` is shared: never changed)."""
+        other = copy.copy(self)
+        other.done = set(self.done)
+        other.inflight = {w: list(r) for w, r in self.inflight.items()}
+        other._queues = None if self._queues is None else {w: deque(q) for w, q in self._queues.items()}
+        other._pending = deque(self._pending)
+        return other
 
     def _rehome(self, workers):
         """Give the queues of departed workers to the live ones, shortest queue first."""

@@ -16,13 +16,10 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
-from ..errors import NonFiniteLossError
+from ... import config
 from ._encoding import BITMAP, EMPTY, decode_into, encode_scratch, threshold_encode
 
 __all__ = ["SharingState"]
-
-_STALE_TIMEOUT = 5.0
-
 
 def _aligned_zeros(n):
     """A zeroed fp32 vector whose data starts on a 64-byte boundary: XLA's CPU client
@@ -70,7 +67,7 @@ class SharingState:
         # backend by name would fail where JAX was started on accelerators only)
         device = next(iter(flat.devices()))
         self.in_place = len(flat.devices()) == 1 and device.platform == "cpu" and device.id == 0
-        self.tstate = job.spec.get("threshold_state") or self.algo.init()
+        self.tstate = job.spec.algorithm_state.get("threshold_state") or self.algo.init()
         self.step = 0  # this worker's message counter
         self.lock = threading.Condition()
         self.inbox: dict = {}  # (sender, step) -> message, this round
@@ -132,7 +129,8 @@ class SharingState:
         minibatches this round)``; a peer that finished its share holds no one back.
         """
         began = time.monotonic()
-        deadline = began + _STALE_TIMEOUT
+        timeout = config.get_seconds("sharing.stale-timeout")
+        deadline = began + timeout
 
         def lagging(p):
             start, quota = peers[p]
@@ -147,7 +145,7 @@ class SharingState:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.gone.update(behind)  # the round's sync sorts out what they sent
-                    return _STALE_TIMEOUT
+                    return timeout
                 self.lock.wait(min(left, 0.05))
 
     # -- the step loop (compute thread) ------------------------------------------
@@ -176,11 +174,10 @@ class SharingState:
             if not bool(finite):
                 # The network's policy, as in local and averaged training: stop with the
                 # parameters from before this step, or skip the minibatch.
-                if job.net.on_nonfinite == "skip":
-                    state = state.replace(rng=rng)  # as in train_step: no replay of the same dropout mask
-                    continue
                 job.state = state
-                raise NonFiniteLossError(int(state.step), float(loss))
+                job.net.nonfinite(int(state.step), float(loss))
+                state = state.replace(rng=rng)  # as in train_step: no replay of the same dropout mask
+                continue
             self.residual += flat
             t = self.tstate.threshold
             # In place; a step that would move fewer than 2 elements sends an EMPTY note.
@@ -192,8 +189,8 @@ class SharingState:
             if message[0] != EMPTY:
                 decode_into(message, total)
             with self.lock:
-                self.applied.add((job.worker.address, self.step))
-                self.store[(job.worker.address, self.step)] = message
+                self.applied.add((job.address, self.step))
+                self.store[(job.address, self.step)] = message
             send(self.step, message)
             nbytes += message.nbytes * len(peers)
             self._drain_into(total)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-__all__ = ["average_leaves", "average_on_device", "is_averaged"]
+__all__ = ["average_leaves", "average_on_device", "is_averaged", "share_bounds", "share_pieces", "take_share",
+           "average_share", "assemble", "outer_step", "outer_state_from_arrays"]
 
 
 def is_averaged(a) -> bool:
@@ -126,3 +128,29 @@ def assemble(like: list, pieces: list, values: list) -> list:
     for (i, a, b), v in zip(pieces, values):
         out[i][a:b] = v
     return [x.reshape(np.shape(ref)) for x, ref in zip(out, like)]
+
+
+# -- the outer optimizer (DiLoCo) --------------------------------------------------
+def outer_step(tx, start, mean, state):
+    """One outer step: the round-start parameters ``start`` minus the workers' ``mean`` is the
+    gradient that the optax transformation ``tx`` turns into an update of ``start``.
+
+    Returns ``(parameters, new outer state)``. Pure: every replica computes it from the same
+    inputs, so the outer state never needs averaging.
+    """
+    grad = jax.tree_util.tree_map(lambda s, m: s - m, start, mean)
+    updates, state = tx.update(grad, state, start)
+    return optax.apply_updates(start, updates), state
+
+
+def outer_state_from_arrays(tx, params, arrays, url="<checkpoint>"):
+    """The outer state ``tx.init(params)`` shaped, filled with a checkpoint's ``arrays``."""
+    from ...errors import CheckpointError
+
+    like = tx.init(params)
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    if len(arrays) != len(leaves) or any(np.shape(a) != np.shape(x) for a, x in zip(arrays, leaves)):
+        raise CheckpointError(url, f"holds an outer optimizer state of {len(arrays)} arrays that does not fit "
+                                   f"this master's outer_updater ({len(leaves)} arrays); resume with the same one")
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a, dtype=np.asarray(x).dtype)
+                                                   for a, x in zip(arrays, leaves)])

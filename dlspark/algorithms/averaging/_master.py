@@ -1,0 +1,117 @@
+"""ParameterAveraging: the master (configuration and plug-in hooks) of synchronous averaging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._base import Algorithm, check_common, positive_int
+
+__all__ = ["ParameterAveraging"]
+
+
+@dataclass(frozen=True)
+class ParameterAveraging(Algorithm):
+    """Synchronous parameter averaging (DL4J's ``ParameterAveragingTrainingMaster``).
+
+    Each round every worker fits ``averaging_frequency`` minibatches of
+    ``batch_size_per_worker`` examples from the same starting parameters;
+    then the parameters (and with ``save_updater`` the floating-point updater
+    state) are averaged across workers, and every worker continues from the mean.
+
+    Parameters
+    ----------
+    batch_size_per_worker : int
+        Examples per minibatch on each worker (used when dlspark cuts data
+        into minibatches; minibatch files keep their own size).
+    averaging_frequency : int
+        Minibatches each worker fits between two averagings.
+    worker_prefetch_num_batches : int
+        Minibatches a worker loads ahead in a background thread (0: none).
+    save_updater : bool
+        Average the updater state too; if false, every worker resets its
+        updater at the start of each round, as DL4J does.
+    training_approach : {"export", "direct"}
+        ``export`` writes the data once as minibatch files to
+        ``export_directory`` and trains from them; ``direct`` keeps
+        minibatches in Dask worker memory (two copies, so that one lost worker
+        loses none).
+    export_directory : str, optional
+        A URL every worker can read (a shared disk, S3, ...). Default: a
+        temporary local directory, which suits clusters on one machine.
+    repartition : {"always", "never", "num_partitions_workers_differs"}
+        When to rebalance minibatches across workers.
+    repartition_strategy : {"balanced", "spark_default"}
+        ``balanced`` splits every round's minibatches into shares that differ
+        by at most one; ``spark_default`` assigns whole chunks of
+        ``averaging_frequency`` in order, so the last round may leave workers idle.
+    collect_training_stats : bool
+        Record per-round timings (fit, averaging, idle) on the trainer.
+    outer_updater : optax.GradientTransformation, optional
+        An outer optimizer (DiLoCo, arXiv 2311.08105): at each averaging the
+        round-start parameters minus the workers' mean is taken as a gradient
+        and this transformation's update is applied to the round-start
+        parameters. ``optax.sgd(1.0)`` is plain averaging (to float rounding);
+        OpenDiLoCo uses ``optax.sgd(0.7, momentum=0.9, nesterov=True)``. Its
+        state is the same on every replica, carried from fit to fit and saved
+        in checkpoints. ``None`` (the default): the parameters are the mean.
+
+    Examples
+    --------
+    >>> ParameterAveraging(batch_size_per_worker=16, averaging_frequency=5).save_updater
+    True
+    """
+
+    batch_size_per_worker: int = 32
+    averaging_frequency: int = 5
+    worker_prefetch_num_batches: int = 2
+    save_updater: bool = True
+    training_approach: str = "export"
+    export_directory: str | None = None
+    repartition: str = "always"
+    repartition_strategy: str = "balanced"
+    collect_training_stats: bool = False
+    outer_updater: object = None
+
+    name = "averaging"
+
+    def __post_init__(self):
+        check_common(self)
+        positive_int("averaging_frequency", self.averaging_frequency)
+        if not isinstance(self.save_updater, bool):
+            raise TypeError(f"save_updater must be True or False, got {self.save_updater!r}")
+        if self.outer_updater is not None and not (hasattr(self.outer_updater, "init")
+                                                   and hasattr(self.outer_updater, "update")):
+            raise TypeError("outer_updater must be an optax transformation, e.g. "
+                            "optax.sgd(0.7, momentum=0.9, nesterov=True), or None; "
+                            f"got {type(self.outer_updater).__name__}")
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.averaging_frequency
+
+    # -- plug-in hooks ------------------------------------------------------------
+    def create_driver(self, options):
+        from ._driver import AveragingDriver
+
+        return AveragingDriver(options)
+
+    def create_run_on_worker(self, worker, job, spec, state, rank):
+        from ._run import AveragingRun
+
+        return AveragingRun(worker, job, spec, state, rank)
+
+    def resume_state(self, meta, url, network):
+        if self.outer_updater is None:
+            return {}
+        from ._numerics import outer_state_from_arrays
+        from ...checkpoint import read_checkpoint_aux
+
+        arrays = read_checkpoint_aux(url)
+        if arrays is None:  # written without an outer optimizer: it starts afresh
+            return {}
+        return {"outer_state": outer_state_from_arrays(self.outer_updater, network.state.params, arrays, url)}
+
+    def after_fit(self, algorithm_state, result, carried, published):
+        if self.outer_updater is None or carried is None:
+            return dict(algorithm_state)
+        return {**algorithm_state, "outer_state": carried}

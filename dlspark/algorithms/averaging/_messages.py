@@ -1,0 +1,50 @@
+"""Parameter averaging's own orders and replies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...distributed._messages import Order, Reply
+
+__all__ = ["AverageWith", "AverageOrder", "AverageReply", "Contribution", "Share"]
+
+
+@dataclass(frozen=True)
+class AverageWith:
+    """A fit order's plan: average with these contributors as soon as the fit is done."""
+
+    contributors: tuple
+
+
+@dataclass(frozen=True)
+class AverageOrder(Order):
+    """Average ``round`` over ``contributors``; ``attempt`` numbers the coordinator's tries."""
+
+    op: ClassVar[str] = "average"
+    round: int = 0
+    contributors: tuple = ()
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class AverageReply(Reply):
+    ok: bool = True
+    avg_time: float = 0.0
+    fetch_time: float = 0.0
+    bytes_received: int = 0
+    contributors: tuple = ()
+
+
+@dataclass(frozen=True)
+class Contribution(Reply):
+    """A replica's leaves after its fit (or one share of their floating-point elements)."""
+
+    leaves: list = ()
+
+
+@dataclass(frozen=True)
+class Share(Reply):
+    """A contributor's averaged share of the floating-point elements."""
+
+    values: list = ()

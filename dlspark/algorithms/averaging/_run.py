@@ -1,0 +1,321 @@
+"""Parameter averaging on one worker: fit a round, then average with the round's contributors.
+
+Each replica fetches the contributions (or, with three or more contributors, the
+shares) it needs from its peers itself; the coordinator steps in only when a peer
+is lost. Every average is computed from stored inputs (the contributions, or the
+state the replica had before the round), never from what an earlier call left,
+so averaging again over fewer contributors is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from distributed.protocol import to_serialize
+
+from ...distributed._run import WorkerRun
+from ...distributed._messages import FitReply, Unavailable
+from ._messages import AverageOrder, AverageReply, AverageWith, Contribution, Share
+from ._numerics import (assemble, average_on_device, average_share, is_averaged, outer_step, share_bounds,
+                        share_pieces, take_share)
+
+__all__ = ["AveragingRun"]
+
+
+def _outer_function(net, tx):
+    """The jitted outer step of ``tx``, kept with the network so later fits do not compile it again."""
+    fns = net.__dict__.setdefault("_outer_fns", {})
+    key = id(tx)
+    if key not in fns:
+        fns[key] = (tx, jax.jit(lambda start, mean, st: outer_step(tx, start, mean, st)))
+    return fns[key][1]
+
+
+class AveragingRun(WorkerRun):
+    def __init__(self, worker, job, spec, state_bytes, rank):
+        super().__init__(worker, job, spec, state_bytes, rank)
+        self.contributions: dict = {}  # round -> (device leaves, host leaves) after its fit, or None
+        self.untouched: dict = {}  # round -> host leaves of a replica with no data that round
+        # round -> {(contributors, attempt): [Event, ("OK", averaged share) | ("lost", peer)]}
+        self.shares: dict = {}
+        self.ready: dict = {}
+        tx = self.master.outer_updater
+        self.outer = None if tx is None else _outer_function(self.net, tx)
+        carried = spec.algorithm_state.get("outer_state")
+        self.outer_state = None if tx is None else (tx.init(self.state.params) if carried is None
+                                                   else jax.tree_util.tree_map(jnp.asarray, carried))
+        self.round_start: dict = {}  # round -> (parameters, outer state) when the round began
+
+    def close(self):
+        super().close()
+        # Handlers still waiting on this job (a peer's fetch of a share or a contribution)
+        # end now rather than at their timeout.
+        for slots in self.shares.values():
+            for slot in slots.values():
+                if slot[1] is None:
+                    slot[1] = ("lost", None)
+                slot[0].set()
+        for round, event in self.ready.items():
+            self.contributions.setdefault(round, None)
+            event.set()
+
+    def forget_rounds_before(self, round):
+        for kept in (self.contributions, self.ready, self.untouched, self.shares, self.round_start):
+            for r in [r for r in kept if r < round]:
+                del kept[r]
+
+    # -- compute (the job's compute thread) --------------------------------------------
+    def _fit(self, refs, epoch, next_refs):
+        steps = self.net.steps
+        state = self.state
+        if self.outer is not None:  # the step donates the state's buffers: keep a copy
+            self._start = (jax.tree_util.tree_map(jnp.copy, state.params), self.outer_state)
+        if not self.master.save_updater:
+            state = state.replace(opt_state=self.net.updater.init(state.params))
+        state = state.replace(epoch=jnp.asarray(epoch, jnp.int32))
+        losses, oks = [], []
+        t0 = time.perf_counter()
+        self.prefetch.expect(refs, next_refs)
+        wait0 = self.prefetch.wait_time
+        n_examples = 0
+        base_step = int(state.step)
+        for n, batch in self.prefetch.iterate(refs):
+            state, loss, ok = steps.train_step(state, batch)
+            losses.append(loss)
+            oks.append(ok)
+            n_examples += n
+        self.state = state
+        # One device-to-host transfer per round, not per step.
+        oks = [bool(x) for x in oks]
+        for i, ok in enumerate(oks):
+            if not ok:
+                self.net.nonfinite(base_step + i, float(losses[i]))
+        losses = [float(x) for x, ok in zip(losses, oks) if ok]
+        return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": n_examples,
+                "fit_time": time.perf_counter() - t0, "data_wait": self.prefetch.wait_time - wait0}
+
+    def _contribution(self):
+        """This replica's leaves after its fit: ``(on the device, on the host)``. The device
+        leaves enter its own average without a copy; the host ones are served to peers
+        (views of the same memory on a CPU device)."""
+        leaves = jax.tree_util.tree_leaves(self.state)
+        return leaves, [np.asarray(x) for x in leaves]
+
+    def _average_into_state(self, contributions):
+        own = jax.tree_util.tree_leaves(self.state)  # its integer leaves are kept
+        self.state = jax.tree_util.tree_unflatten(self.treedef, average_on_device(own, contributions))
+
+    def _own_contribution(self, round):
+        """Its device leaves until its first average of the round, the host ones after
+        (so that the device holds one state, not two)."""
+        device, host = self.contributions[round]
+        return device if device is not None else host
+
+    def _set_floats(self, floats, pieces, values):
+        """Replace the floating-point leaves ``floats`` by those ``pieces`` of ``values`` assemble."""
+        leaves = jax.tree_util.tree_leaves(self.state)
+        for i, x in zip(floats, assemble([leaves[i] for i in floats], pieces, values)):
+            leaves[i] = x
+        self.state = jax.tree_util.tree_unflatten(self.treedef, jax.device_put(leaves))
+
+    def _outer_step(self, round):
+        """With an outer optimizer, the parameters move from the round's start by its update of
+        (start - mean); computed from the stored start, so averaging again is safe."""
+        if self.outer is None or round not in self.round_start:
+            return
+        start, st = self.round_start[round]
+        params, self.outer_state = self.outer(start, self.state.params, st)
+        self.state = self.state.replace(params=params)
+
+    def carried_state(self):
+        if self.outer_state is None:
+            return None
+        return jax.tree_util.tree_map(np.asarray, self.outer_state)
+
+    def adopt(self, carried):
+        if carried is not None and self.outer is not None:
+            self.outer_state = jax.tree_util.tree_map(jnp.asarray, carried)
+
+    def checkpoint_arrays(self):
+        return self.carried_state()
+
+    # -- orders -----------------------------------------------------------------------
+    async def order_fit(self, order):
+        """Fit the round's minibatches, then average with ``order.plan.contributors`` at once
+        (one control message per round; the coordinator steps in only if a peer is lost)."""
+        round, contributors = order.round, order.plan.contributors
+        self.forget_rounds_before(round)
+        try:
+            result = await self.compute(self._fit, list(order.refs), order.epoch, list(order.next_refs))
+            if self.outer is not None:
+                self.round_start[round] = self._start
+            self.contributions[round] = await self.compute(self._contribution)
+        except BaseException:
+            self.contributions[round] = None  # peers waiting for it learn it will not come
+            if len(contributors) >= 3:  # and those waiting for its share
+                slot = self.shares.setdefault(round, {}).setdefault((tuple(contributors), 0), [asyncio.Event(), None])
+                if slot[1] is None:
+                    slot[1] = ("lost", self.address)
+                slot[0].set()
+            raise
+        finally:
+            self.ready.setdefault(round, asyncio.Event()).set()
+        averaged = await self.order_average(AverageOrder(round, tuple(contributors), 0))
+        return FitReply(unreachable=averaged.unreachable, extra={"averaged": averaged}, **result)
+
+    async def order_average(self, order):
+        """Average the round's contributions, fetched from the peers that hold them.
+
+        With no contributors left the replica goes back to the state it had before the
+        round (the round trained nothing). A peer whose contribution cannot be had is
+        named in ``unreachable`` and nothing changes here. ``attempt`` numbers the
+        coordinator's calls in a round, so that averaging again over the same
+        contributors (the failure passed) does not reuse a share that failed.
+        """
+        round, attempt = order.round, order.attempt
+        contributors = list(order.contributors)
+        t0 = time.perf_counter()
+        if round not in self.contributions:  # no data this round: keep what the round started from
+            self.forget_rounds_before(round)
+            if round not in self.untouched:
+                self.untouched[round] = [np.asarray(x) for x in jax.tree_util.tree_leaves(self.state)]
+                if self.outer is not None:
+                    self.round_start[round] = (self.state.params, self.outer_state)
+        done = AverageReply(avg_time=0.0, fetch_time=0.0, bytes_received=0, contributors=tuple(contributors))
+        if contributors == [self.address] and self.contributions.get(round) is not None:
+            # Sole contributor: the mean is its own state after its fit.
+            await self.compute(self._set_leaves_then_outer, round, self._own_contribution(round))
+            return replace(done, avg_time=time.perf_counter() - t0)
+        if not contributors and round in self.untouched:
+            # Every contributor was lost. (A replica that fit this round is among the
+            # contributors for as long as it lives.)
+            await self.compute(self._restore_untouched, round)
+            return replace(done, avg_time=time.perf_counter() - t0)
+        if len(contributors) >= 3:
+            return await self._average_in_shares(round, contributors, attempt, t0)
+        contribs, nbytes = [], 0
+        for addr in contributors:
+            if addr == self.address:
+                contribs.append(self._own_contribution(round))
+                continue
+            resp = await self._ask(addr, "contribution", round=round)
+            if not isinstance(resp, Contribution):
+                return AverageReply(unreachable=(addr,), ok=False, contributors=tuple(contributors))
+            nbytes += sum(np.asarray(x).nbytes for x in resp.leaves)
+            contribs.append(resp.leaves)
+        t_fetch = time.perf_counter() - t0
+        await self.compute(self._average_then_outer, round, contribs)
+        self._drop_device_copy(round)
+        return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
+                            contributors=tuple(contributors))
+
+    def _set_leaves_then_outer(self, round, leaves):
+        self.set_leaves(leaves)
+        self._outer_step(round)
+
+    def _average_then_outer(self, round, contribs):
+        self._average_into_state(contribs)
+        self._outer_step(round)
+
+    def _restore_untouched(self, round):
+        self.set_leaves(self.untouched[round])
+        if round in self.round_start:
+            self.outer_state = self.round_start[round][1]
+
+    def _drop_device_copy(self, round):
+        if self.contributions.get(round) is not None:  # averaged: its device copy is no longer needed
+            self.contributions[round] = (None, self.contributions[round][1])
+
+    async def _ask(self, addr, op, **kw):
+        """A peer's answer to a request, or ``Unavailable`` when it cannot be reached."""
+        try:
+            resp = await self.worker.rpc(addr).dlspark_peer(job=self.job, request=op, **kw)
+        except OSError:
+            return Unavailable(peer=addr)
+        return resp.get("reply", Unavailable(peer=addr)) if isinstance(resp, dict) else Unavailable(peer=addr)
+
+    async def _average_in_shares(self, round, contributors, attempt, t0):
+        """The mean over three or more contributors, in shares (see ``_numerics``): this
+        replica averages its own share, if it is a contributor, then fetches the others'."""
+        me = self.address
+        n = len(contributors)
+        leaves = jax.tree_util.tree_leaves(self.state)  # shapes and dtypes; its integer leaves are kept
+        floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
+        sizes = [leaves[i].size for i in floats]
+        slot = self.shares.setdefault(round, {}).setdefault((tuple(contributors), attempt), [asyncio.Event(), None])
+        nbytes = 0
+        if me in contributors and slot[1] is None:
+            try:
+                bounds = share_bounds(sizes, n, contributors.index(me))
+                pieces = share_pieces(sizes, *bounds)
+                parts = []
+                for addr in contributors:
+                    if addr == me:
+                        host = self.contributions[round][1]
+                        parts.append(take_share([host[i] for i in floats], pieces))
+                        continue
+                    resp = await self._ask(addr, "contribution", round=round, share=list(bounds))
+                    if not isinstance(resp, Contribution):
+                        slot[1] = ("lost", addr)  # peers waiting for this share learn whom to drop
+                        return AverageReply(unreachable=(addr,), ok=False, contributors=tuple(contributors))
+                    parts.append(list(resp.leaves))
+                    nbytes += sum(np.asarray(x).nbytes for x in parts[-1])
+                slot[1] = ("OK", await self.compute(average_share, parts))
+            finally:
+                if slot[1] is None:  # failed here: its waiters must not wait for their timeout
+                    slot[1] = ("lost", me)
+                slot[0].set()
+        elif me in contributors and slot[1][0] != "OK":
+            return AverageReply(unreachable=(slot[1][1] or me,), ok=False, contributors=tuple(contributors))
+        t_fetch = time.perf_counter() - t0
+        all_pieces, all_values = [], []
+        for k, addr in enumerate(contributors):
+            if addr == me:
+                values = slot[1][1]
+            else:
+                resp = await self._ask(addr, "share", round=round, contributors=contributors, attempt=attempt)
+                if not isinstance(resp, Share):
+                    return AverageReply(unreachable=(getattr(resp, "peer", None) or addr,), ok=False,
+                                        contributors=tuple(contributors))
+                values = list(resp.values)
+                nbytes += sum(np.asarray(x).nbytes for x in values)
+            all_pieces += share_pieces(sizes, *share_bounds(sizes, n, k))
+            all_values += values
+        await self.compute(self._set_floats_then_outer, round, floats, all_pieces, all_values)
+        self._drop_device_copy(round)
+        return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
+                            contributors=tuple(contributors))
+
+    def _set_floats_then_outer(self, round, floats, pieces, values):
+        self._set_floats(floats, pieces, values)
+        self._outer_step(round)
+
+    # -- requests from peers ----------------------------------------------------------
+    async def peer_contribution(self, round: int, share: list | None = None):
+        """This replica's leaves after its fit in ``round``; with ``share=[lo, hi]``, only
+        that flat range of its floating-point elements (see ``share_pieces``)."""
+        ev = self.ready.setdefault(round, asyncio.Event())
+        await asyncio.wait_for(ev.wait(), timeout=self.peer_timeout())
+        contribution = self.contributions.get(round)
+        if contribution is None:
+            return {"reply": to_serialize(Unavailable(peer=None))}
+        leaves = contribution[1]
+        if share is not None:
+            floats = [x for x in leaves if is_averaged(x)]
+            leaves = take_share(floats, share_pieces([x.size for x in floats], *share))
+        return {"reply": to_serialize(Contribution(leaves=list(leaves)))}
+
+    async def peer_share(self, round: int, contributors: list, attempt: int = 0):
+        """This replica's averaged share of ``round`` over ``contributors``, once it has it."""
+        key = (tuple(contributors), attempt)
+        slot = self.shares.setdefault(round, {}).setdefault(key, [asyncio.Event(), None])
+        await asyncio.wait_for(slot[0].wait(), timeout=self.peer_timeout())
+        status, value = slot[1]
+        if status != "OK":
+            return {"reply": to_serialize(Unavailable(peer=value))}
+        return {"reply": to_serialize(Share(values=list(value)))}

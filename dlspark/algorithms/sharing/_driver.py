@@ -1,0 +1,116 @@
+"""Gradient sharing's round driver (scheduler side, pure), and the sync plan."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...distributed._machine import RoundDone
+from ...distributed._messages import FitOrder
+from .._base import RoundDriver
+from ._messages import HaveOrder, NextRoundOrder, ShareWith, SyncOrder
+from ._topology import tree_links
+
+__all__ = ["SharingDriver", "sync_plan"]
+
+
+def sync_plan(haves: dict, contributors) -> dict:
+    """Which holder each replica fetches each message it misses from.
+
+    ``haves`` maps each replica to ``{sender: [steps]}`` of the round's messages it
+    holds. A message is fetched from its sender while the sender answered, else
+    from a replica that holds it, contributors first. Returns
+    ``{replica: {holder: [[sender, step], ...]}}``.
+    """
+    holder: dict = {}
+    for w in sorted(haves, key=lambda a: a not in contributors):
+        for sender, steps in haves[w].items():
+            for k in steps:
+                holder.setdefault((sender, k), sender if sender in haves else w)
+    missing = {}
+    for w in haves:
+        mine = {(s, k) for s, ks in haves[w].items() for k in ks}
+        need: dict = {}
+        for key, h in holder.items():
+            if key not in mine and key[0] != w:
+                need.setdefault(h, []).append(list(key))
+        missing[w] = need
+    return missing
+
+
+class SharingDriver(RoundDriver):
+    """Workers step freely, exchanging messages peer to peer; then every replica catches
+    up on the round's messages it missed, so that all applied the same set. A pass of
+    that sync that lost a worker or found a holder unreachable is run again over the
+    replicas left."""
+
+    failure = "the replicas could not be synced"
+
+    def __init__(self, options, master):
+        super().__init__(options)
+        self.master = master
+        self.counters: dict = {}  # worker -> its message counter
+        self.thresholds: dict = {}  # worker -> its threshold state
+
+    def begin(self, plan, hint, live):
+        self.round = plan.round
+        self.fits, self.fetched = {}, 0
+        self.phase = "fit"
+        peers = {w: (self.counters.get(w, 0), len(plan.assignment.get(w, []))) for w in sorted(live)}
+        active = [w for w in sorted(live) if plan.assignment.get(w)]
+        # Tree mesh: the round's active workers relay to tree neighbours only; idle
+        # workers catch up in the sync.
+        links = tree_links(active, self.master.tree_fanout) if self.master.mesh == "tree" else {}
+        epoch = self.options.base_epoch + plan.epoch
+        self.contributors = list(plan.contributors)
+        return [(w, FitOrder(round=plan.round, epoch=epoch, refs=tuple(plan.assignment[w]),
+                             next_refs=tuple(hint.get(w, ())),
+                             plan=ShareWith(peers, None if w not in links else tuple(links[w]))))
+                for w in active]
+
+    def step(self, replies, live, attempt):
+        if self.phase == "fit":
+            self.fits = dict(replies)
+            return self._have(live)
+        if self.phase == "have":
+            self.haves = {w: r.have for w, r in replies.items() if w in live}
+            self.missing = sync_plan(self.haves, self.contributors)
+            self.phase = "sync"
+            return [(w, SyncOrder(self.missing[w])) for w in sorted(self.haves)]
+        if self.phase == "sync":
+            faults = set(self.haves) - set(live) or any(r.unreachable for r in replies.values())
+            if faults:  # sync again from the holders left (or, if the failure passed, the same)
+                return self._have(live)
+            self.fetched = sum(sum(len(k) for k in self.missing[w].values()) for w in replies)
+            for w, r in replies.items():
+                self.counters[w] = r.step
+                self.thresholds[w] = tuple(r.threshold_state)
+            self.phase = "next"
+            return [(w, NextRoundOrder()) for w in sorted(live)]
+        return RoundDone(tuple(w for w in self.contributors if w in live))
+
+    def _have(self, live):
+        self.contributors = [w for w in self.contributors if w in self.fits and w in live]
+        self.phase = "have"
+        return [(w, HaveOrder()) for w in sorted(live)]
+
+    def round_stats(self):
+        fits = {w: f for w, f in self.fits.items() if w in self.contributors}
+        x = {w: f.extra for w, f in fits.items()}
+        return {"bytes_sent": sum(e["bytes_sent"] for e in x.values()),
+                "dense_bytes": sum(e["dense_bytes"] for e in x.values()),
+                "threshold": {w: e["threshold"] for w, e in x.items()},
+                "stale_wait": max((e["stale_wait"] for e in x.values()), default=0.0),
+                "encoding_debug": {w: e["debug"] for w, e in x.items() if e["debug"]},
+                "relayed": sum(e.get("relayed", 0) for e in x.values()),
+                "fetched_at_sync": self.fetched,
+                "avg_time": 0.0, "fetch_time": 0.0, "bytes_received": 0}
+
+    def result_state(self, workers):
+        return {"threshold_states": [self.thresholds[w] for w in workers if w in self.thresholds]}
+
+    def checkpoint_meta(self, workers):
+        # the thresholds reached, with the algorithm that reached them (JSON has no NaN: a
+        # worker that has not stepped yet has no last sparsity)
+        return {"threshold_states": {"algorithm": repr(self.master.threshold_algorithm),
+                                     "states": [[x if np.isfinite(x) else None for x in self.thresholds[w]]
+                                                for w in workers if w in self.thresholds]}}

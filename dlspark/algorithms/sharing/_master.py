@@ -1,0 +1,147 @@
+"""GradientSharing: the master (configuration and plug-in hooks) of threshold-encoded gradient sharing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .._base import Algorithm, check_common, choice, positive_int
+
+__all__ = ["GradientSharing", "MESHES"]
+
+MESHES = ("plain", "tree")
+
+
+def _default_threshold():
+    from ._thresholds import AdaptiveThreshold
+
+    return AdaptiveThreshold()
+
+
+def _default_post():
+    from ._thresholds import ResidualClipping
+
+    return ResidualClipping(5, 5)
+
+
+@dataclass(frozen=True)
+class GradientSharing(Algorithm):
+    """Asynchronous gradient sharing with threshold-encoded sparse updates (DL4J's ``SharedTrainingMaster``).
+
+    Each worker turns every minibatch's gradient into an update through the
+    optax updater, adds it to its residual, and sends the part of the residual
+    that crossed the threshold, quantized to ``±threshold``, to every peer.
+    Every replica applies its own quantized updates and every peer's, never
+    its raw update, so all replicas apply the same sums.
+
+    Parameters
+    ----------
+    batch_size_per_worker, worker_prefetch_num_batches, training_approach, export_directory,
+    repartition, repartition_strategy, collect_training_stats
+        As in :class:`ParameterAveraging`.
+    threshold_algorithm : AdaptiveThreshold, TargetSparsityThreshold or FixedThreshold
+        How each worker's threshold moves (default: adaptive, sparsity in [1e-4, 1e-2]).
+    residual_post_processor : ResidualClipping or NoResidualPostProcessing
+        Default: clip the residual to ±5 thresholds every 5 iterations.
+    workers_per_node : int, optional
+        Accepted for DL4J compatibility; dlspark runs one worker per device.
+    encoding_debug : bool
+        Record per step and worker: threshold, sparsity, format, message bytes,
+        residual norm, mean |update| / threshold.
+    mesh : {"plain", "tree"}
+        ``plain``: every worker sends to every peer. ``tree``: the coordinator
+        arranges each round's workers in a tree of fan-out ``tree_fanout``;
+        a worker sends to its tree neighbours, which relay onwards, so no
+        worker talks to more than ``tree_fanout + 1`` others (DL4J's mesh
+        mode, for large clusters).
+    tree_fanout : int
+        Children per node of the relay tree.
+    steps_per_round : int
+        Minibatches handed to each worker at a time. There is no barrier
+        between steps; at the end of each such round the replicas confirm
+        they applied the same messages (and lost or joining workers are handled).
+    max_staleness : int
+        How many steps a worker may run ahead of the slowest live peer.
+
+    Examples
+    --------
+    >>> GradientSharing(batch_size_per_worker=16).threshold_algorithm.initial
+    0.0001
+    """
+
+    batch_size_per_worker: int = 32
+    threshold_algorithm: object = field(default_factory=_default_threshold)
+    residual_post_processor: object = field(default_factory=_default_post)
+    workers_per_node: int | None = None
+    worker_prefetch_num_batches: int = 2
+    training_approach: str = "export"
+    export_directory: str | None = None
+    repartition: str = "always"
+    repartition_strategy: str = "balanced"
+    encoding_debug: bool = False
+    mesh: str = "plain"
+    collect_training_stats: bool = False
+    steps_per_round: int = 16
+    max_staleness: int = 4
+    tree_fanout: int = 4
+
+    name = "sharing"
+
+    def __post_init__(self):
+        from ._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing, ResidualClipping,
+                                  TargetSparsityThreshold)
+
+        check_common(self)
+        choice("mesh", self.mesh, MESHES)
+        positive_int("steps_per_round", self.steps_per_round)
+        positive_int("max_staleness", self.max_staleness, minimum=0)
+        positive_int("tree_fanout", self.tree_fanout)
+        if self.workers_per_node is not None:
+            positive_int("workers_per_node", self.workers_per_node)
+        if not isinstance(self.threshold_algorithm, (AdaptiveThreshold, TargetSparsityThreshold, FixedThreshold)):
+            raise TypeError("threshold_algorithm must be AdaptiveThreshold(...), TargetSparsityThreshold(...) or "
+                            f"FixedThreshold(t), got {type(self.threshold_algorithm).__name__}")
+        if not isinstance(self.residual_post_processor, (ResidualClipping, NoResidualPostProcessing)):
+            raise TypeError("residual_post_processor must be ResidualClipping(...) or NoResidualPostProcessing(), "
+                            f"got {type(self.residual_post_processor).__name__}")
+        if not isinstance(self.encoding_debug, bool):
+            raise TypeError(f"encoding_debug must be True or False, got {self.encoding_debug!r}")
+
+    # -- plug-in hooks ------------------------------------------------------------
+    def create_driver(self, options):
+        from ._driver import SharingDriver
+
+        return SharingDriver(options, self)
+
+    def create_run_on_worker(self, worker, job, spec, state, rank):
+        from ._run import SharingRun
+
+        return SharingRun(worker, job, spec, state, rank)
+
+    def resume_state(self, meta, url, network):
+        # Gradient sharing goes on from the threshold the workers had reached (with the
+        # same threshold algorithm; a new one starts from its own initial value).
+        from ._thresholds import ThresholdState
+
+        saved = meta.get("threshold_states") or {}
+        if not saved.get("states") or saved.get("algorithm") != repr(self.threshold_algorithm):
+            return {}
+        states = [ThresholdState(*(float("nan") if x is None else x for x in st)) for st in saved["states"]]
+        return {"threshold_state": self.threshold_algorithm.reduce(states)}
+
+    def after_fit(self, algorithm_state, result, carried, published):
+        from ._thresholds import ThresholdState
+
+        out = dict(algorithm_state)
+        states = [ThresholdState(*s) for s in result.algorithm_state.get("threshold_states", ())]
+        if states:
+            out["threshold_state"] = self.threshold_algorithm.reduce(states)
+        comm = published.setdefault("communication", {"bytes_sent": 0, "dense_bytes": 0})
+        for s in result.stats:
+            comm["bytes_sent"] += s.get("bytes_sent", 0)
+            comm["dense_bytes"] += s.get("dense_bytes", 0)
+        return out
+
+    def compare_replicas(self) -> bool:
+        """Every replica applied the same messages; they differ only by the order of float
+        additions: the trainer reports how far apart they ended (``replica_divergence``)."""
+        return True

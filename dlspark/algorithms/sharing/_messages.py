@@ -1,0 +1,62 @@
+"""Gradient sharing's own orders and replies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ...distributed._messages import Order, Reply
+
+__all__ = ["ShareWith", "HaveOrder", "HaveReply", "SyncOrder", "SyncReply", "NextRoundOrder", "Messages"]
+
+
+@dataclass(frozen=True)
+class ShareWith:
+    """A fit order's plan: ``peers`` maps each live worker to (its message counter at the
+    round's start, its minibatches this round); ``links`` are its tree neighbours (tree
+    mesh) or None (every worker sends to every peer)."""
+
+    peers: dict
+    links: tuple | None = None
+
+
+@dataclass(frozen=True)
+class HaveOrder(Order):
+    """Report the round's messages held."""
+
+    op: ClassVar[str] = "have"
+
+
+@dataclass(frozen=True)
+class HaveReply(Reply):
+    have: dict = field(default_factory=dict)  # sender -> [steps]
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class SyncOrder(Order):
+    """Fetch the round's messages missed (``{holder: [(sender, step), ...]}``) and apply all."""
+
+    op: ClassVar[str] = "sync"
+    missing: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SyncReply(Reply):
+    threshold: float = 0.0
+    step: int = 0
+    threshold_state: tuple = ()
+
+
+@dataclass(frozen=True)
+class NextRoundOrder(Order):
+    """Every replica synced: forget the finished round's messages."""
+
+    op: ClassVar[str] = "next_round"
+
+
+@dataclass(frozen=True)
+class Messages(Reply):
+    """Messages a peer asked for, in the order of its keys."""
+
+    messages: list = ()

@@ -1,0 +1,103 @@
+"""Gradient sharing on one worker: the step loop, one-way pushes to peers, and the round's sync."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from distributed.protocol import to_serialize
+
+from ...distributed._messages import Ack, FitReply
+from ...distributed._run import WorkerRun
+from ._messages import HaveReply, Messages, SyncReply
+from ._state import SharingState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SharingRun"]
+
+
+class SharingRun(WorkerRun):
+    def __init__(self, worker, job, spec, state_bytes, rank):
+        super().__init__(worker, job, spec, state_bytes, rank)
+        self.sharing = SharingState(self)
+
+    async def _push(self, sender, step, message, targets):
+        payload = to_serialize(message)
+        # One-way: no reply is written or awaited (a message lost on the way is fetched
+        # at the round's sync), which halves the messages on both event loops.
+        await asyncio.gather(*[self.worker.rpc(p).dlspark_peer(job=self.job, request="push", sender=sender, step=step,
+                                                               message=payload, via=self.address, reply=False)
+                               for p in targets], return_exceptions=True)
+
+    # -- orders -----------------------------------------------------------------------
+    async def order_fit(self, order):
+        loop = asyncio.get_running_loop()
+        me = self.address
+        s = self.sharing
+        peers = {p: tuple(v) for p, v in order.plan.peers.items() if p != me}
+        links = order.plan.links
+        # plain mesh: straight to every peer; tree mesh: to tree neighbours, who relay
+        s.links = None if links is None else [p for p in links if p != me]
+        targets = list(peers) if links is None else s.links
+        s.relayed = 0
+
+        def send(step, message):
+            asyncio.run_coroutine_threadsafe(self._push(me, step, message, targets), loop)
+
+        def run():
+            self.state = self.state.replace(epoch=jnp.asarray(order.epoch, jnp.int32))
+            refs = list(order.refs)
+            self.prefetch.expect(refs, list(order.next_refs))
+            wait0 = self.prefetch.wait_time
+            t0 = time.perf_counter()
+            out = s.fit(self.prefetch.iterate(refs), peers, send)
+            return FitReply(loss_sum=out.pop("loss_sum"), n=out.pop("n"), examples=out.pop("examples"),
+                            fit_time=time.perf_counter() - t0, data_wait=self.prefetch.wait_time - wait0,
+                            extra={**out, "relayed": s.relayed})
+
+        return await self.compute(run)
+
+    async def order_have(self, order):
+        return HaveReply(have=self.sharing.have(), step=self.sharing.step)
+
+    async def order_sync(self, order):
+        """Fetch the round's messages this replica missed, then apply every pending one."""
+        extra, unreachable = [], []
+        for holder, keys in order.missing.items():
+            if holder == self.address:
+                continue
+            try:
+                resp = await self.worker.rpc(holder).dlspark_peer(job=self.job, request="get", keys=keys)
+                messages = resp["reply"].messages
+            except Exception as e:  # lost since it reported what it holds: the coordinator decides
+                logger.info("dlspark job %s: could not fetch messages from %s: %s", self.job, holder, e)
+                unreachable.append(holder)
+                continue
+            extra.extend(zip([tuple(k) for k in keys], messages))
+        await self.compute(self.sharing.apply_pending, extra)
+        s = self.sharing
+        return SyncReply(unreachable=tuple(unreachable), threshold=float(s.tstate.threshold), step=s.step,
+                         threshold_state=tuple(s.tstate))
+
+    async def order_next_round(self, order):
+        self.sharing.new_round()
+        return Ack()
+
+    # -- requests from peers ----------------------------------------------------------
+    async def peer_push(self, sender: str, step: int, message, via: str | None = None):
+        s = self.sharing
+        message = np.asarray(message)
+        if s.receive(sender, step, message) and s.links:
+            # tree mesh: relay onwards, never back where it came from
+            onward = [p for p in s.links if p not in (via, sender)]
+            if onward:
+                s.relayed += 1
+                asyncio.ensure_future(self._push(sender, step, message, onward))
+        return {}
+
+    async def peer_get(self, keys: list):
+        return {"reply": to_serialize(Messages(messages=self.sharing.get(keys)))}

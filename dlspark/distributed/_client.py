@@ -1,0 +1,152 @@
+"""The client side of a job: set it up on the workers, start it in the scheduler, wait,
+bring the trained state back, and resume from checkpoints.
+
+Algorithm-specific work goes through the master's hooks (``resume_state``,
+``after_fit``, ``compare_replicas``); nothing here asks which algorithm runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import asdict
+
+import cloudpickle
+import jax
+import numpy as np
+
+from ..checkpoint import read_checkpoint_meta, state_from_bytes, state_to_bytes
+from ..errors import CheckpointError, JobFailedError
+from ._messages import JobOptions, JobSpec
+
+__all__ = ["run_fit", "setup_workers", "fetch_state", "fetch_state_from_any", "checked"]
+
+
+def checked(resp):
+    """A worker's reply, or the error its envelope carries, raised here."""
+    if isinstance(resp, dict) and "error" in resp:
+        raise resp["error"].exception()
+    return resp
+
+
+async def setup_workers(client, workers, job, spec: bytes, state: bytes):
+    for r in await asyncio.gather(*[client.rpc(w).dlspark_setup(job=job, spec=spec, state=state, rank=i)
+                                    for i, w in enumerate(workers)]):
+        checked(r)
+
+
+async def fetch_state(client, worker, job, step, epoch) -> dict:
+    """``{"state": checkpoint bytes, "carried": what the algorithm carries}`` of one worker."""
+    return checked(await client.rpc(worker).dlspark_state(job=job, step=step, epoch=epoch))
+
+
+async def fetch_state_from_any(client, workers, job, step, epoch):
+    """``(worker, state)`` from the first of ``workers`` that sends its state: every replica
+    holds the trained state at the end of a job (bit for bit with averaging, to float
+    tolerance with gradient sharing), so a worker lost just after the job ended costs nothing."""
+    errors = []
+    for worker in workers:
+        try:
+            return worker, await fetch_state(client, worker, job, step, epoch)
+        except Exception as e:
+            errors.append(f"{worker}: {type(e).__name__}: {e}")
+    raise JobFailedError(f"job {job} finished, but no worker could send its state: {'; '.join(errors)}")
+
+
+def _resume(trainer, url, epochs):
+    """``(epochs left, minibatches done, worker RNGs, epochs done, algorithm state)``. Everything
+    is checked before the network takes the checkpoint's state: a refused resume leaves it as it was."""
+    meta = read_checkpoint_meta(url)
+    prog = meta.get("fit_progress")
+    if prog is not None and prog.get("epochs_total") != epochs:
+        raise CheckpointError(url, f"was written by a fit of {prog.get('epochs_total')} epochs; resume with epochs={prog.get('epochs_total')}")
+    rngs = meta.get("worker_rngs") or []
+    want = np.shape(np.asarray(trainer.network.state.rng))
+    if any(np.shape(r) != want for r in rngs):
+        raise CheckpointError(url, f"holds worker RNG keys of shape {np.shape(rngs[0])}, this network's are "
+                                   f"{want}: resume with the PRNG implementation that wrote it")
+    algorithm_state = trainer.master.resume_state(meta, url, trainer.network)
+    trainer.network.restore(url)
+    if prog is None:
+        return epochs, (), None, 0, algorithm_state
+    # The fit goes on where the checkpoint stands: ``prog["epoch"]`` of ``epochs`` done,
+    # and ``done`` minibatches of the next one.
+    return epochs - prog["epoch"], prog["done"], rngs, prog["epoch"], algorithm_state
+
+
+def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=None, checkpoint_every=None,
+            checkpoint_url=None, resume_from=None, callbacks=(), progress=None):
+    """Run one fit as a job on ``trainer``'s cluster; the trained state lands in ``trainer.network``."""
+    master = trainer.master
+    skip, worker_rngs, epochs_done, epochs_total = (), None, 0, epochs
+    if resume_from is not None:
+        epochs, skip, worker_rngs, epochs_done, carried = _resume(trainer, resume_from, epochs)
+        trainer.algorithm_state = carried
+        if epochs <= 0:
+            return trainer.network
+    net, client = trainer.network, trainer.client
+    workers = trainer._workers()
+    job = uuid.uuid4().hex[:12]
+    spec = cloudpickle.dumps(JobSpec(net.definition(), net.token, master, refs, loader, storage_options,
+                                     dict(trainer.algorithm_state), worker_rngs))
+    state = state_to_bytes(net.state)
+    base_step, base_epoch = net.iteration, net.epoch
+    options = JobOptions(epochs=epochs, skip=tuple(skip), base_step=base_step, base_epoch=base_epoch,
+                         epochs_total=epochs_total, epochs_done=epochs_done, checkpoint_every=checkpoint_every,
+                         checkpoint_url=checkpoint_url, **master.job_options())
+    bar = trainer._progress_bar(progress, epochs * len(refs) - len(skip))
+
+    def on_event(event):
+        _, msg = event
+        if msg.get("event") != "round":
+            return
+        if bar is not None:
+            bar.update(msg["minibatches"])
+            if msg["loss"] is not None:
+                bar.set_postfix(loss=f"{msg['loss']:.4g}", ex_s=f"{msg['examples'] / max(msg['round_time'], 1e-9):.0f}",
+                                refresh=False)
+        for cb in callbacks:
+            cb(msg)
+
+    topic = f"dlspark-{job}"
+    client.subscribe_topic(topic, on_event)
+    try:
+        client.sync(setup_workers, client, workers, job, spec, state)
+        client.sync(client.scheduler.dlspark_start, job=job, workers=workers, spec=spec, partitions=partitions,
+                    master=cloudpickle.dumps(master), options=asdict(options), client=client.id)
+        result = checked(client.sync(client.scheduler.dlspark_wait, job=job))["result"]
+        step, epoch = base_step + result.trained, base_epoch + epochs
+        source, final = client.sync(fetch_state_from_any, client, list(result.workers), job, step, epoch)
+        net.state = state_from_bytes(final["state"], net.state)
+        trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
+        if master.compare_replicas():
+            others = [w for w in result.workers if w != source]
+            trainer.published["replica_divergence"] = _divergence(client, job, net, others)
+        for s in result.stats:
+            trainer.loss_history.append((s["round"], base_epoch + s["epoch"], s["loss"]))
+        if master.collect_training_stats:
+            trainer.training_stats.extend(result.stats)
+        trainer.last_fit_stats = list(result.stats)
+    finally:
+        client.unsubscribe_topic(topic)
+        try:
+            client.sync(client.scheduler.dlspark_finish, job=job)
+        except Exception:  # the cluster is going away; nothing left to clean
+            pass
+        if bar is not None:
+            bar.close()
+    return net
+
+
+def _divergence(client, job, net, others) -> float:
+    """Largest absolute difference between the first replica's parameters and the others'."""
+    ref = jax.tree_util.tree_leaves(net.state.params)
+    worst = 0.0
+    for w in others:
+        try:
+            other = state_from_bytes(client.sync(fetch_state, client, w, job, None, None)["state"], net.state)
+        except Exception:  # lost since the job ended: it has nothing left to compare
+            continue
+        for a, b in zip(ref, jax.tree_util.tree_leaves(other.params)):
+            worst = max(worst, float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
+    return worst

@@ -1,0 +1,476 @@
+"""The job's policy as a pure state machine: events in, instructions out.
+
+:class:`JobMachine` owns a job's membership, round planning (through the
+:class:`~dlspark.distributed._plan.Coordinator`), retry bounds, drop decisions,
+checkpoints and the client's grace period. It does no I/O and reads no clock:
+the scheduler plugin feeds it events (a worker's reply, a lost worker, a probe's
+outcome, ``now``) and carries out the instructions it returns (send an order,
+probe a peer, admit a joiner, emit statistics, finish, fail). Its fault rules
+are tested by feeding event sequences, in milliseconds, without a cluster.
+
+What is specific to one algorithm (which orders a round sends, what a round's
+replies mean) is the algorithm's *round driver*, a pure object the machine
+calls; the machine is the same for every algorithm.
+
+The rules
+---------
+- A worker lost mid-round (its connection failed, or the scheduler removed it)
+  leaves the job: its minibatches of the round go back to the queue, so every
+  minibatch is trained once per epoch.
+- A reply that names an unreachable peer makes the machine probe that peer: it
+  is dropped if the machine cannot reach it either; otherwise the failure passed
+  and the driver re-drives the round over the same workers, with the next attempt
+  number. A round re-driven more than ``its workers + extra_attempts`` times fails
+  the job with the driver's reason.
+- A worker that arrives mid-fit joins at the start of the next round, set up from
+  a live peer's state; a join that keeps failing is given up after
+  ``join_attempts`` tries and reported.
+- Every ``checkpoint_every`` rounds, the live workers' RNGs are gathered and the
+  first live worker writes the checkpoint (the next one if it is lost meanwhile).
+- A client gone for longer than ``client_grace`` seconds stops the job.
+- A worker's error (an exception in its handler) fails the job with that error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import JobFailedError
+from ._messages import CheckpointOrder, ErrorReply, FitReply, JobOptions, JobResult, Order, Reply, RngOrder
+from ._plan import Coordinator, RoundPlan
+
+__all__ = ["JobMachine", "RoundDone", "Settings",
+           # events
+           "Start", "Replied", "Failed", "WorkerLost", "WorkerJoined", "Joined", "JoinFailed", "Probed",
+           "ClientLost", "ClientBack", "GraceOver", "Cancel",
+           # instructions
+           "Send", "Probe", "Join", "Emit", "Timer", "Finish", "Fail", "Abandon"]
+
+
+# -- events ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    """The job's workers are set up: plan the first round."""
+
+
+@dataclass(frozen=True)
+class Replied:
+    """``worker`` answered the order sent as ``seq``."""
+
+    worker: str
+    seq: int
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class Failed:
+    """``worker``'s handler raised (the envelope holds the error): the job fails with it."""
+
+    worker: str
+    seq: int
+    error: ErrorReply
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    worker: str
+
+
+@dataclass(frozen=True)
+class WorkerJoined:
+    worker: str
+
+
+@dataclass(frozen=True)
+class Joined:
+    worker: str
+
+
+@dataclass(frozen=True)
+class JoinFailed:
+    worker: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Probed:
+    """Whether the coordinator itself reached ``worker``."""
+
+    worker: str
+    alive: bool
+
+
+@dataclass(frozen=True)
+class ClientLost:
+    pass
+
+
+@dataclass(frozen=True)
+class ClientBack:
+    pass
+
+
+@dataclass(frozen=True)
+class GraceOver:
+    pass
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The client is done with the job (or it was abandoned): stop issuing anything."""
+
+
+# -- instructions -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Send:
+    """Send ``order`` to ``worker``; its answer comes back as ``Replied``/``Failed`` with ``seq``,
+    or as ``WorkerLost``."""
+
+    worker: str
+    seq: int
+    order: Order
+
+
+@dataclass(frozen=True)
+class Probe:
+    worker: str
+
+
+@dataclass(frozen=True)
+class Join:
+    """Set the job up on ``worker`` from ``source``'s state, as rank ``rank``, after ``delay`` s."""
+
+    worker: str
+    source: str
+    rank: int
+    delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Emit:
+    """A message for the client's event topic (round statistics, joins, checkpoints)."""
+
+    msg: dict
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Feed ``event`` back after ``seconds``."""
+
+    seconds: float
+    event: object
+
+
+@dataclass(frozen=True)
+class Finish:
+    result: JobResult
+
+
+@dataclass(frozen=True)
+class Fail:
+    error: ErrorReply
+
+
+@dataclass(frozen=True)
+class Abandon:
+    """Stop the job and tear it down everywhere (its client is gone)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoundDone:
+    """A driver's word that its round is over: ``contributors`` trained minibatches that count."""
+
+    contributors: tuple
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The machine's bounds; the scheduler plugin reads them from ``dlspark.*`` in dask.config."""
+
+    client_grace: float = 10.0
+    join_attempts: int = 20
+    join_interval: float = 0.25
+    extra_attempts: int = 2
+
+
+@dataclass
+class _Batch:
+    """Orders in flight: the phase they belong to and who has yet to answer."""
+
+    phase: str
+    waiting: dict = field(default_factory=dict)  # seq -> worker
+    replies: dict = field(default_factory=dict)  # worker -> reply
+    lost: set = field(default_factory=set)
+
+
+class JobMachine:
+    """A job's policy. ``handle(event, now)`` returns the instructions the event calls for.
+
+    Parameters
+    ----------
+    job : str
+    workers : iterable of str
+        The workers the job was set up on (ranks in sorted order).
+    driver : RoundDriver
+        The algorithm's round driver (see :mod:`dlspark.algorithms`).
+    partitions : list of int
+        The partition of every minibatch.
+    options : JobOptions
+    settings : Settings
+    """
+
+    def __init__(self, job, workers, driver, partitions, options: JobOptions, settings: Settings = Settings()):
+        self.job = job
+        self.live = set(workers)
+        self.driver = driver
+        self.options = options
+        self.settings = settings
+        self.planner = Coordinator(partitions, options.epochs, options.steps_per_round, options.repartition,
+                                   options.repartition_strategy, skip=options.skip)
+        self.next_rank = len(self.live)
+        self.arrived: set = set()  # joined the cluster mid-fit, to be set up at the next round
+        self.joining: dict = {}  # worker -> tries so far
+        self.stats: list = []
+        self.plan: RoundPlan | None = None
+        self.attempt = 0
+        self.started = 0.0
+        self.batch: _Batch | None = None
+        self.probing: set = set()
+        self.seq = 0
+        self.rngs: dict = {}
+        self.writers: list = []
+        self.client_present = True
+        self.over = False
+
+    # -- the one entry point ------------------------------------------------------
+    def handle(self, event, now: float = 0.0) -> list:
+        """Take ``event``; return the instructions it calls for (possibly none)."""
+        if self.over:
+            return []
+        self.now = now
+        try:
+            return getattr(self, f"_on_{type(event).__name__}")(event)
+        except JobFailedError as e:
+            return self._fail(e)
+
+    # -- membership -----------------------------------------------------------------
+    def _on_Start(self, event):
+        return self._between_rounds()
+
+    def _on_WorkerJoined(self, event):
+        if event.worker not in self.live:
+            self.arrived.add(event.worker)
+        return []
+
+    def _on_WorkerLost(self, event):
+        w = event.worker
+        self.arrived.discard(w)
+        if w in self.joining:
+            del self.joining[w]
+            return self._between_rounds() if not self.joining and self.batch is None else []
+        if w not in self.live:
+            return []
+        self.live.discard(w)
+        out = []
+        if w in self.probing:
+            out += self._on_Probed(Probed(w, False))
+        b = self.batch
+        if b is not None:
+            for seq in [s for s, x in b.waiting.items() if x == w]:
+                del b.waiting[seq]
+                b.lost.add(w)
+            b.replies.pop(w, None)
+            if not b.waiting and not self.probing:
+                out += self._batch_complete()
+        return out
+
+    def _on_Joined(self, event):
+        if event.worker not in self.joining:
+            return []
+        del self.joining[event.worker]
+        self.live.add(event.worker)
+        out = [Emit({"event": "joined", "worker": event.worker})]
+        if not self.joining:
+            out += self._between_rounds()
+        return out
+
+    def _on_JoinFailed(self, event):
+        w = event.worker
+        if w not in self.joining:
+            return []
+        self.joining[w] += 1
+        if self.joining[w] < self.settings.join_attempts and self.live:
+            return [Join(w, min(self.live), self._rank(), self.settings.join_interval)]
+        del self.joining[w]
+        out = [Emit({"event": "join-failed", "worker": w, "error": event.error})]
+        if not self.joining:
+            out += self._between_rounds()
+        return out
+
+    def _rank(self):
+        self.next_rank += 1
+        return self.next_rank - 1
+
+    # -- the client -----------------------------------------------------------------
+    def _on_ClientLost(self, event):
+        self.client_present = False
+        return [Timer(self.settings.client_grace, GraceOver())]
+
+    def _on_ClientBack(self, event):
+        self.client_present = True
+        return []
+
+    def _on_GraceOver(self, event):
+        if self.client_present:
+            return []
+        self.over = True
+        return [Abandon(f"job {self.job}: its client is gone (for more than {self.settings.client_grace:g} s)")]
+
+    def _on_Cancel(self, event):
+        self.over = True
+        return []
+
+    # -- rounds ---------------------------------------------------------------------
+    def _between_rounds(self):
+        """Admit workers that arrived, then plan and start the next round."""
+        if self.arrived and self.live:
+            for w in sorted(self.arrived):
+                self.joining[w] = 0
+            self.arrived = set()
+            source = min(self.live)
+            return [Join(w, source, self._rank()) for w in sorted(self.joining)]
+        if self.joining:
+            return []
+        if not self.live:
+            raise JobFailedError(f"job {self.job}: every worker was lost")
+        self.plan = self.planner.plan_round(self.live)
+        if self.plan is None:
+            self.over = True
+            return [Finish(JobResult(tuple(sorted(self.live)), self.planner.trained_total, tuple(self.stats),
+                                     self.driver.result_state(sorted(self.live))))]
+        hint = self.planner.peek_round(self.live)
+        self.attempt = 0
+        self.started = self.now
+        return self._send("round", self.driver.begin(self.plan, hint, frozenset(self.live)))
+
+    def _send(self, phase, orders):
+        self.batch = _Batch(phase)
+        out = []
+        for worker, order in orders:
+            self.seq += 1
+            self.batch.waiting[self.seq] = worker
+            out.append(Send(worker, self.seq, order))
+        if not out:
+            return self._batch_complete()
+        return out
+
+    def _on_Replied(self, event):
+        b = self.batch
+        if b is None or b.waiting.get(event.seq) != event.worker:
+            return []  # a late answer to a batch already settled
+        del b.waiting[event.seq]
+        b.replies[event.worker] = event.reply
+        if b.waiting:
+            return []
+        return self._batch_complete()
+
+    def _on_Failed(self, event):
+        b = self.batch
+        if b is None or b.waiting.get(event.seq) != event.worker:
+            return []
+        self.over = True
+        return [Fail(event.error)]
+
+    def _batch_complete(self):
+        """Every order of the batch answered or its worker was lost: probe the peers named
+        unreachable, then move on."""
+        b = self.batch
+        named = {p for r in b.replies.values() for p in r.unreachable} & self.live
+        if named:
+            self.probing = set(named)
+            b.lost |= named  # a fault either way: the round is re-driven
+            return [Probe(p) for p in sorted(named)]
+        return self._advance()
+
+    def _on_Probed(self, event):
+        if event.worker not in self.probing:
+            return []
+        self.probing.discard(event.worker)
+        if not event.alive:
+            self.live.discard(event.worker)
+            if self.batch is not None:
+                self.batch.replies.pop(event.worker, None)
+        if self.probing:
+            return []
+        return self._advance()
+
+    def _advance(self):
+        b = self.batch
+        if b.phase != "round":
+            return self._checkpoint_step()
+        if not self.live:
+            raise JobFailedError(f"job {self.job}: every worker was lost")
+        if b.lost:
+            self.attempt += 1
+            if self.attempt > len(self.plan.assignment) + self.settings.extra_attempts:
+                raise JobFailedError(f"job {self.job}: round {self.plan.round}: {self.driver.failure}")
+        step = self.driver.step(b.replies, frozenset(self.live), self.attempt)
+        if not isinstance(step, RoundDone):
+            return self._send("round", step)
+        return self._round_done(step)
+
+    def _round_done(self, done: RoundDone):
+        contributors = [w for w in done.contributors if w in self.live]
+        fits = {w: r for w, r in self.driver.fits.items() if w in contributors and isinstance(r, FitReply)}
+        counted = self.planner.complete_round(self.plan, contributors)
+        n = sum(f.n for f in fits.values())
+        stat = {
+            "event": "round", "round": self.plan.round, "epoch": self.plan.epoch, "minibatches": counted,
+            "examples": sum(f.examples for f in fits.values()),
+            "loss": (sum(f.loss_sum for f in fits.values()) / n) if n else None, "workers": len(contributors),
+            "round_time": self.now - self.started, "fit_time_max": max((f.fit_time for f in fits.values()), default=0.0),
+            "worker_fit_time": {w: f.fit_time for w, f in fits.items()},
+            "data_wait": {w: f.data_wait for w, f in fits.items()},
+            "trained_total": self.planner.trained_total, "attempts": self.attempt,
+            **self.driver.round_stats(),
+        }
+        self.stats.append(stat)
+        out = [Emit(stat)]
+        every = self.options.checkpoint_every
+        if every and self.plan.round % every == 0:
+            return out + self._send("rngs", [(w, RngOrder()) for w in sorted(self.live)])
+        self.batch = None
+        return out + self._between_rounds()
+
+    # -- checkpoints ----------------------------------------------------------------
+    def _checkpoint_step(self):
+        b = self.batch
+        if b.phase == "rngs":
+            self.rngs = {w: r.rng for w, r in b.replies.items() if w in self.live}
+            self.writers = sorted(self.rngs)
+        elif b.phase == "write" and b.replies:
+            self.batch = None
+            return [Emit({"event": "checkpoint", "url": self.options.checkpoint_url, "round": self.plan.round})] \
+                + self._between_rounds()
+        self.writers = [w for w in self.writers if w in self.live]
+        if not self.writers:  # nobody left to write it: the next round finds out why
+            self.batch = None
+            return self._between_rounds()
+        writer = self.writers.pop(0)
+        return self._send("write", [(writer, self._checkpoint_order())])
+
+    def _checkpoint_order(self):
+        o = self.options
+        progress = self.planner.progress()
+        progress.update(epoch=o.epochs_done + progress["epoch"], epochs_total=o.epochs_total)
+        workers = sorted(w for w in self.rngs if w in self.live)
+        return CheckpointOrder(url=o.checkpoint_url, step=o.base_step + self.planner.trained_total,
+                               epoch=o.base_epoch + self.planner.epoch, progress=progress,
+                               worker_rngs=[self.rngs[w] for w in workers],
+                               meta=self.driver.checkpoint_meta(workers))
+
+    def _fail(self, e):
+        self.over = True
+        return [Fail(ErrorReply.from_exception(e))]

@@ -1,0 +1,139 @@
+"""A job's run on one worker: what every algorithm's worker side shares.
+
+:class:`WorkerRun` holds the job's train state, its network (from the one
+worker-side cache, so jobs of the same network compile once), a compute thread,
+and a prefetcher that loads minibatches through the one reference resolver.
+It answers the orders every algorithm needs (``rng``, ``checkpoint``) and the
+state requests of the client and of joiners. An algorithm subclasses it with
+its ``fit`` and its own orders and peer requests (see ``dlspark.algorithms``);
+the worker plugin routes to it by job id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import config
+from .._netcache import cached_network
+from ..checkpoint import state_from_bytes, state_to_bytes
+from ..data import load_ref
+from ..io import write_bytes
+from ._messages import Ack, CheckpointOrder, Order, RngOrder, RngReply
+from ._prefetch import Prefetcher
+
+__all__ = ["WorkerRun"]
+
+
+class WorkerRun:
+    """One job's state on one worker.
+
+    Subclasses define ``order_<op>(order)`` coroutines for their orders and
+    ``peer_<op>(**kw)`` coroutines for requests from peers.
+    """
+
+    def __init__(self, worker, job: str, spec, state_bytes: bytes, rank: int):
+        self.worker = worker
+        self.job = job
+        self.spec = spec
+        self.master = spec.master
+        self.rank = rank
+        self.net = cached_network(spec.definition, spec.network_token)
+        state = state_from_bytes(state_bytes, self.net.state)
+        saved_rngs = spec.worker_rngs or ()
+        if rank < len(saved_rngs):  # resumed: this position's RNG when the checkpoint was written
+            state = state.replace(rng=jnp.asarray(np.asarray(saved_rngs[rank], dtype=np.asarray(state.rng).dtype)))
+        elif rank > 0:  # decorrelate dropout and the like across replicas
+            state = state.replace(rng=jax.random.fold_in(state.rng, rank))
+        self.state = state
+        self.treedef = jax.tree_util.tree_structure(state)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute")
+        # One loading thread for the job's life: it reads the next round's first
+        # minibatches while this round is still being combined.
+        self.prefetch = Prefetcher(self.staged, self.master.worker_prefetch_num_batches)
+
+    @property
+    def address(self) -> str:
+        return self.worker.address
+
+    def close(self):
+        """Stop the job's threads; subclasses also release calls waiting on the job."""
+        self.prefetch.close()
+        self.executor.shutdown(wait=False)
+
+    async def compute(self, fn, *args):
+        """Run ``fn`` on the job's compute thread (one per job: JAX work stays off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @staticmethod
+    def peer_timeout() -> float:
+        return config.get_seconds("worker.peer-timeout")
+
+    # -- routing ------------------------------------------------------------------
+    async def handle(self, order: Order):
+        handler = getattr(self, f"order_{order.op}", None)
+        if handler is None:
+            raise TypeError(f"{type(self).__name__} takes no {order.op!r} order")
+        return await handler(order)
+
+    async def peer(self, op: str, **kw):
+        handler = getattr(self, f"peer_{op}", None)
+        if handler is None:
+            raise TypeError(f"{type(self).__name__} answers no {op!r} request")
+        return await handler(**kw)
+
+    # -- data -----------------------------------------------------------------------
+    def staged(self, ref_index):
+        """A minibatch checked against the network and already on the device: ``(examples, batch)``.
+        Runs on the prefetch thread, off the compute thread's path."""
+        ds = load_ref(self.spec.refs[ref_index], self.spec.loader, self.spec.storage_options, self.worker)
+        self.net.check_batch(ds)
+        return len(ds), jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
+
+    def set_leaves(self, leaves):
+        self.state = jax.tree_util.tree_unflatten(self.treedef, jax.device_put(list(leaves)))
+
+    # -- orders every algorithm answers ------------------------------------------
+    async def order_rng(self, order: RngOrder):
+        return RngReply(rng=await self.compute(lambda: np.asarray(self.state.rng).tolist()))
+
+    def checkpoint_arrays(self):
+        """Arrays the algorithm keeps beside the train state (a pytree, or None)."""
+        return None
+
+    async def order_checkpoint(self, order: CheckpointOrder):
+        def write():
+            st = self.state.replace(step=jnp.asarray(order.step, jnp.int32), epoch=jnp.asarray(order.epoch, jnp.int32))
+            extra = {"iteration": order.step, "epoch": order.epoch, "seed": self.net.seed,
+                     "fit_progress": order.progress, "worker_rngs": list(order.worker_rngs), **order.meta}
+            raw = state_to_bytes(st, extra, self.net.definition(), aux=self.checkpoint_arrays())
+            write_bytes(order.url, raw, **(self.spec.checkpoint_options or {}))
+
+        await self.compute(write)
+        return Ack()
+
+    async def dump_state(self, step=None, epoch=None) -> dict:
+        """The train state as checkpoint bytes (with the counters the client asks for), and
+        what the algorithm carries beside it."""
+
+        def dump():
+            st = self.state
+            if step is not None:
+                st = st.replace(step=jnp.asarray(step, jnp.int32))
+            if epoch is not None:
+                st = st.replace(epoch=jnp.asarray(epoch, jnp.int32))
+            return state_to_bytes(st), self.carried_state()
+
+        state, carried = await self.compute(dump)
+        return {"state": state, "carried": carried}
+
+    def carried_state(self):
+        """What this worker's algorithm hands back to the client at the end of a job (host arrays)."""
+        return None
+
+    def adopt(self, carried):
+        """Take over what a live peer's algorithm carries (a worker joining mid-fit)."""
