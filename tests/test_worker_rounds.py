@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 from conftest import _cluster_client
 
+import cloudpickle
+
 from dlspark import DistributedTrainer, ParameterAveraging
+from dlspark.algorithms.averaging._messages import AverageOrder, AverageWith
+from dlspark.algorithms.sharing._messages import SyncOrder
 from dlspark.checkpoint import state_from_bytes, state_to_bytes
 from dlspark.data import load_minibatch, save_minibatches
-from dlspark.trainer import _checked, _setup_workers
+from dlspark.distributed._client import checked, setup_workers
+from dlspark.distributed._messages import FitOrder, JobSpec
+from distributed.protocol import to_serialize
 
 pytestmark = pytest.mark.slow
 
@@ -40,42 +46,57 @@ class _DrivenJob:
         self.urls = save_minibatches(tr[:n_examples], url=str(tmp_path / "mb"), batch_size=32)
         self.net = make_net()
         master = master or ParameterAveraging(batch_size_per_worker=32)
-        self.spec = DistributedTrainer(client, self.net, master, progress=False)._job_spec(self.urls)
+        DistributedTrainer(client, self.net, master, progress=False)  # installs the plugins
+        self.spec = cloudpickle.dumps(JobSpec(self.net.definition(), self.net.token, master, self.urls))
         self.state = state_to_bytes(self.net.state)
         self.id = uuid.uuid4().hex[:12]
         self.workers = sorted(client.scheduler_info()["workers"])
 
     async def setup(self, workers):
-        await _setup_workers(self.client, workers, self.id, self.spec, self.state)
+        await setup_workers(self.client, workers, self.id, self.spec, self.state)
 
-    async def call(self, addr, op, **kw):
-        return _checked(await getattr(self.client.rpc(addr), f"dlspark_{op}")(job=self.id, **kw))
+    async def order(self, addr, order):
+        """Send one of the coordinator's orders; the worker's typed reply."""
+        return checked(await self.client.rpc(addr).dlspark_order(job=self.id, order=to_serialize(order)))["reply"]
+
+    async def fit(self, addr, round, refs, contributors):
+        return await self.order(addr, FitOrder(round=round, epoch=0, refs=tuple(refs), plan=AverageWith(tuple(contributors))))
+
+    async def average(self, addr, round, contributors, attempt=0):
+        return await self.order(addr, AverageOrder(round, tuple(contributors), attempt))
+
+    async def peer(self, addr, request, **kw):
+        """A peer's request, as another worker makes it."""
+        return checked(await self.client.rpc(addr).dlspark_peer(job=self.id, request=request, **kw))["reply"]
+
+    async def teardown(self, addr):
+        checked(await self.client.rpc(addr).dlspark_teardown(job=self.id))
+
+    async def state_of(self, addr):
+        return checked(await self.client.rpc(addr).dlspark_state(job=self.id))["state"]
 
     async def params(self, addr):
-        return _leaves(state_from_bytes((await self.call(addr, "state"))["state"], self.net.state))
+        return _leaves(state_from_bytes(await self.state_of(addr), self.net.state))
 
 
 def test_averaging_again_over_fewer_contributors_starts_from_the_stored_inputs(client3, make_net, digits, tmp_path):
     job = _DrivenJob(client3, make_net, digits, tmp_path, 64)
-    net, urls, call, state = job.net, job.urls, job.call, job.params
+    net, urls, state = job.net, job.urls, job.params
     a, b, c = job.workers
     start = _leaves(net.state)
 
     async def scenario():
         await job.setup([a, b, c])
         # Round 1: a and b fit a minibatch each and average; c has no data and only averages.
-        await asyncio.gather(call(a, "fit", round=1, epoch=0, refs=[0], average_with=[a, b]),
-                             call(b, "fit", round=1, epoch=0, refs=[1], average_with=[a, b]),
-                             call(c, "average", round=1, contributors=[a, b]))
+        await asyncio.gather(job.fit(a, 1, [0], [a, b]), job.fit(b, 1, [1], [a, b]), job.average(c, 1, [a, b]))
         mean = [await state(w) for w in (a, b, c)]
         # b is lost after everyone averaged: the coordinator averages again over a alone.
-        await asyncio.gather(call(a, "average", round=1, contributors=[a]),
-                             call(c, "average", round=1, contributors=[a]))
+        await asyncio.gather(job.average(a, 1, [a], 1), job.average(c, 1, [a], 1))
         only_a = [await state(w) for w in (a, c)]
         # a is lost too: the round trained nothing, and c goes back to where it started.
-        await call(c, "average", round=1, contributors=[])
+        await job.average(c, 1, [], 2)
         back = await state(c)
-        await asyncio.gather(*[call(w, "teardown") for w in (a, b, c)])
+        await asyncio.gather(*[job.teardown(w) for w in (a, b, c)])
         return mean, only_a, back
 
     mean, only_a, back = client3.sync(scenario)
@@ -117,14 +138,14 @@ def test_a_job_set_up_twice_or_after_its_teardown_leaves_no_thread_behind(client
         return False
 
     base = client3.run(_prefetch_threads, workers=[a])[a]
-    client3.sync(_setup_workers, client3, [a], job, spec, state)
-    client3.sync(_setup_workers, client3, [a], job, spec, state)  # a retried join sets it up again
+    client3.sync(setup_workers, client3, [a], job, spec, state)
+    client3.sync(setup_workers, client3, [a], job, spec, state)  # a retried join sets it up again
     assert threads_settle_at(base + 1)  # the first set-up's loading thread ended
     client3.sync(lambda: client3.rpc(a).dlspark_teardown(job=job))
     assert threads_settle_at(base)
     # A set-up that finishes after its job's teardown (the fit failed on another worker) is refused.
     with pytest.raises(RuntimeError, match="ended before its set-up"):
-        client3.sync(_setup_workers, client3, [a], job, spec, state)
+        client3.sync(setup_workers, client3, [a], job, spec, state)
     assert job not in client3.run(_jobs_on_worker, workers=[a])[a]
     assert threads_settle_at(base)
 
@@ -140,12 +161,12 @@ def test_sync_names_a_holder_it_cannot_fetch_from_instead_of_failing(client3, ma
     async def scenario():
         await job.setup([a])
         try:
-            return await job.call(a, "gs_sync", missing={b: [[b, 1]]})
+            return await job.order(a, SyncOrder({b: [[b, 1]]}))
         finally:
-            await job.call(a, "teardown")
+            await job.teardown(a)
 
     resp = client3.sync(scenario)
-    assert list(resp["unreachable"]) == [b]
+    assert list(resp.unreachable) == [b]
 
 
 def test_three_contributors_average_in_shares_with_the_bits_of_the_full_mean(client3, make_net, digits, tmp_path):
@@ -154,22 +175,21 @@ def test_three_contributors_average_in_shares_with_the_bits_of_the_full_mean(cli
     from dlspark.algorithms.averaging._numerics import average_leaves
 
     job = _DrivenJob(client3, make_net, digits, tmp_path, 96)
-    net, urls, call, workers = job.net, job.urls, job.call, job.workers
+    net, urls, workers = job.net, job.urls, job.workers
     floats = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(net.state)
                  if np.issubdtype(np.asarray(x).dtype, np.floating))
 
     async def scenario():
         await job.setup(workers)
-        fits = await asyncio.gather(*[call(w, "fit", round=1, epoch=0, refs=[i], average_with=workers)
-                                      for i, w in enumerate(workers)])
-        states = [state_from_bytes((await call(w, "state"))["state"], net.state) for w in workers]
-        await asyncio.gather(*[call(w, "teardown") for w in workers])
+        fits = await asyncio.gather(*[job.fit(w, 1, [i], workers) for i, w in enumerate(workers)])
+        states = [state_from_bytes(await job.state_of(w), net.state) for w in workers]
+        await asyncio.gather(*[job.teardown(w) for w in workers])
         return fits, states
 
     fits, states = client3.sync(scenario)
     for f in fits:
-        assert "lost_peer" not in f["averaged"]
-        assert 0.6 * floats < f["averaged"]["bytes_received"] < 1.5 * floats  # 4/3, not 2
+        assert f.extra["averaged"].ok and not f.unreachable
+        assert 0.6 * floats < f.extra["averaged"].bytes_received < 1.5 * floats  # 4/3, not 2
     for other in states[1:]:  # the parameters (each replica keeps its own RNG key)
         for x, y in zip(_leaves(states[0]), _leaves(other)):
             np.testing.assert_array_equal(x, y)
@@ -187,21 +207,20 @@ def test_a_share_owner_that_cannot_be_reached_is_named_and_the_survivors_average
     # The third contributor never set the job up (a worker lost before the averaging):
     # both others name it, and averaging again over the two left gives their mean.
     job = _DrivenJob(client3, make_net, digits, tmp_path, 64)
-    net, call = job.net, job.call
+    net = job.net
     a, b, c = job.workers
 
     async def scenario():
         await job.setup([a, b])
-        fits = await asyncio.gather(call(a, "fit", round=1, epoch=0, refs=[0], average_with=[a, b, c]),
-                                    call(b, "fit", round=1, epoch=0, refs=[1], average_with=[a, b, c]))
-        again = await asyncio.gather(*[call(w, "average", round=1, contributors=[a, b]) for w in (a, b)])
+        fits = await asyncio.gather(job.fit(a, 1, [0], [a, b, c]), job.fit(b, 1, [1], [a, b, c]))
+        again = await asyncio.gather(*[job.average(w, 1, [a, b], 1) for w in (a, b)])
         states = [await job.params(w) for w in (a, b)]
-        await asyncio.gather(*[call(w, "teardown") for w in (a, b)])
+        await asyncio.gather(*[job.teardown(w) for w in (a, b)])
         return fits, again, states
 
     fits, again, states = client3.sync(scenario)
-    assert [f["averaged"].get("lost_peer") for f in fits] == [c, c]
-    assert all("lost_peer" not in r for r in again)
+    assert [f.unreachable for f in fits] == [(c,), (c,)]
+    assert all(r.ok and not r.unreachable for r in again)
     for x, y in zip(*states):
         np.testing.assert_array_equal(x, y)
     assert any(not np.allclose(x, s) for x, s in zip(states[0], _leaves(net.state)))
@@ -246,36 +265,38 @@ def test_a_teardown_ends_the_calls_still_waiting_on_the_job(client3, make_net, d
 
     async def scenario():
         await job.setup([a])
-        waiting = [asyncio.ensure_future(job.call(a, "share", round=1, contributors=[a, b, c])),
-                   asyncio.ensure_future(job.call(a, "contribution", round=1))]
+        waiting = [asyncio.ensure_future(job.peer(a, "share", round=1, contributors=[a, b, c])),
+                   asyncio.ensure_future(job.peer(a, "contribution", round=1))]
         await asyncio.sleep(0.5)
         assert not any(w.done() for w in waiting)
-        await job.call(a, "teardown")
+        await job.teardown(a)
         return await asyncio.wait_for(asyncio.gather(*waiting), timeout=30)
 
     share, contribution = client3.sync(scenario)
-    assert share["status"] == "lost" and contribution["status"] == "no-contribution"
+    assert type(share).__name__ == "Unavailable" and type(contribution).__name__ == "Unavailable"
 
 
 def _fail_first_contribution_call(round_no, dask_worker=None):
     # Fault injection: a real transient failure between two live workers cannot be made to
     # happen on cue, so this worker answers one fetch of its contribution as unavailable.
-    handler = dask_worker.handlers["dlspark_contribution"]
+    from dlspark.distributed._messages import Unavailable
+
+    handler = dask_worker.handlers["dlspark_peer"]
     failed = []
 
     async def flaky(**kw):
-        if kw.get("round") == round_no and not failed:
+        if kw.get("request") == "contribution" and kw.get("round") == round_no and not failed:
             failed.append(True)
-            return {"status": "unavailable"}
+            return {"reply": to_serialize(Unavailable())}
         return await handler(**kw)
 
     dask_worker._dlspark_injected = (handler, failed)
-    dask_worker.handlers["dlspark_contribution"] = flaky
+    dask_worker.handlers["dlspark_peer"] = flaky
 
 
 def _restore_contribution_handler(dask_worker):
     handler, failed = dask_worker._dlspark_injected
-    dask_worker.handlers["dlspark_contribution"] = handler
+    dask_worker.handlers["dlspark_peer"] = handler
     return len(failed)
 
 
@@ -298,7 +319,7 @@ def test_the_final_state_comes_from_the_first_worker_that_can_send_it(client3, m
     # Every replica holds the trained state at the end of a job: a worker lost just after
     # the job ended (here: one that no longer has it) is passed over, not fatal.
     from dlspark.errors import JobFailedError
-    from dlspark.trainer import _fetch_state_from_any
+    from dlspark.distributed._client import fetch_state_from_any
 
     job = _DrivenJob(client3, make_net, digits, tmp_path, 64)
     a, b, c = job.workers
@@ -306,16 +327,16 @@ def test_the_final_state_comes_from_the_first_worker_that_can_send_it(client3, m
     async def scenario():
         await job.setup([b])
         try:
-            found = await _fetch_state_from_any(client3, [a, b, c], job.id, 7, 1)
+            found = await fetch_state_from_any(client3, [a, b, c], job.id, 7, 1)
         finally:
-            await job.call(b, "teardown")
+            await job.teardown(b)
         with pytest.raises(JobFailedError, match="no worker could send its state") as failed:
-            await _fetch_state_from_any(client3, [a, c], job.id, 7, 1)
+            await fetch_state_from_any(client3, [a, c], job.id, 7, 1)
         return found, str(failed.value)
 
     (source, state), message = client3.sync(scenario)
     assert source == b
-    restored = state_from_bytes(state, job.net.state)
+    restored = state_from_bytes(state["state"], job.net.state)
     assert (int(restored.step), int(restored.epoch)) == (7, 1)
     for x, y in zip(_leaves(restored), _leaves(job.net.state)):
         np.testing.assert_array_equal(x, y)
