@@ -1,0 +1,185 @@
+"""The outer optimizer of parameter averaging (DiLoCo), on a real 2-worker LocalCluster.
+
+The parameters after each averaging are the round-start parameters moved by the
+outer optimizer's update of (start - mean). Tested: ``None`` is the mean bit for
+bit; ``optax.sgd(1.0)`` the mean to float32 rounding; Nesterov momentum equals
+the same outer loop computed here; a resumed fit continues the outer state exactly.
+"""
+
+import asyncio
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import _cluster_client
+from distributed.protocol import to_serialize
+
+import dlspark
+from dlspark import DistributedTrainer, ParameterAveraging
+from dlspark.algorithms.averaging._messages import AverageWith
+from dlspark.algorithms.averaging._numerics import average_leaves, outer_step
+from dlspark.checkpoint import state_from_bytes, state_to_bytes
+from dlspark.data import save_minibatches
+from dlspark.distributed._client import checked, setup_workers
+from dlspark.distributed._messages import FitOrder, JobSpec
+from dlspark.distributed._plan import Coordinator
+
+pytestmark = pytest.mark.slow
+
+NESTEROV = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
+
+
+@pytest.fixture(scope="module")
+def client():
+    yield from _cluster_client(2)
+
+
+def _floats(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _one_averaged_round(client, net, master, urls):
+    """Both workers fit one minibatch and average; returns (their states, their contributions)."""
+    import uuid
+
+    import cloudpickle
+
+    DistributedTrainer(client, net, master, progress=False)  # installs the plugins
+    job = uuid.uuid4().hex[:12]
+    spec = cloudpickle.dumps(JobSpec(net.definition(), net.token, master, urls))
+    a, b = sorted(client.scheduler_info()["workers"])
+
+    async def scenario():
+        await setup_workers(client, [a, b], job, spec, state_to_bytes(net.state))
+        try:
+            def fit(w, i):
+                return client.rpc(w).dlspark_order(job=job, order=to_serialize(
+                    FitOrder(round=1, epoch=0, refs=(i,), plan=AverageWith((a, b)))))
+
+            for r in await asyncio.gather(fit(a, 0), fit(b, 1)):
+                checked(r)
+            contributions = [checked(await client.rpc(w).dlspark_peer(job=job, request="contribution", round=1))
+                             ["reply"].leaves for w in (a, b)]
+            states = [checked(await client.rpc(w).dlspark_state(job=job))["state"] for w in (a, b)]
+            return states, contributions
+        finally:
+            await asyncio.gather(*[client.rpc(w).dlspark_teardown(job=job) for w in (a, b)])
+
+    states, contributions = client.sync(scenario)
+    return [state_from_bytes(s, net.state) for s in states], contributions
+
+
+@pytest.mark.parametrize("outer", [None, "sgd1"])
+def test_without_outer_updater_the_mean_bit_for_bit_and_sgd_one_to_rounding(client, make_net, digits, tmp_path,
+                                                                             outer):
+    tr, _ = digits
+    urls = save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=32)
+    net = make_net(updater=optax.sgd(0.1))
+    master = ParameterAveraging(batch_size_per_worker=32, outer_updater=None if outer is None else optax.sgd(1.0))
+    states, contributions = _one_averaged_round(client, net, master, urls)
+    # the mean of the two contributions, computed here in numpy (the host reference)
+    mean = average_leaves(contributions[0], contributions)
+    n_params = len(jax.tree_util.tree_leaves(net.state.params))
+    for st in states:
+        got = _floats(st)
+        for x, want in zip(got[:n_params], mean[:n_params]):
+            if outer is None:
+                np.testing.assert_array_equal(x, want)
+            else:  # start - (start - mean): within a few float32 roundings of the mean
+                np.testing.assert_allclose(x, want, rtol=0, atol=4 * np.finfo(np.float32).eps * (1 + np.abs(want).max()))
+    start = _floats(net.state.params)
+    assert any(not np.allclose(x, s) for x, s in zip(_floats(states[0].params), start))  # it trained
+
+
+def _outer_loop_here(make_net, batches, workers, freq, lr, outer):
+    """The job's arithmetic in this process: each round every worker fits its share of the
+    round's minibatches from the same start, the states are averaged, and the outer
+    optimizer moves the round-start parameters by its update of (start - mean)."""
+    net = make_net(updater=optax.sgd(lr))
+    state = jax.tree_util.tree_map(np.asarray, net.state)
+    outer_state = None if outer is None else outer.init(state.params)
+    plan = Coordinator([0] * len(batches), 1, freq)
+    names = [f"w{i}" for i in range(workers)]
+    while (p := plan.plan_round(names)) is not None:
+        fitted = []
+        for w in names:
+            st = jax.tree_util.tree_map(np.copy, state)
+            for i in p.assignment[w]:
+                st, _, _ = net.steps.train_step(st, jax.tree_util.tree_map(np.asarray, batches[i].jit_batch()))
+            fitted.append(jax.tree_util.tree_leaves(st))
+        plan.complete_round(p, names)
+        treedef = jax.tree_util.tree_structure(state)
+        mean = jax.tree_util.tree_unflatten(treedef, average_leaves(fitted[0], fitted))
+        if outer is not None:
+            params, outer_state = outer_step(outer, state.params, mean.params, outer_state)
+            mean = mean.replace(params=params)
+        state = jax.tree_util.tree_map(np.asarray, mean)
+    return state
+
+
+def test_nesterov_outer_loop_equals_the_same_loop_computed_here(client, make_net, digits):
+    tr, _ = digits
+    batches = tr[:512].batches(32)  # 16 minibatches: 4 rounds of 2 workers x 2
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2,
+                                outer_updater=optax.sgd(**NESTEROV))
+    net = make_net(updater=optax.sgd(0.1))
+    trainer = DistributedTrainer(client, net, master, progress=False)
+    trainer.fit(batches)
+    assert [s["workers"] for s in trainer.last_fit_stats] == [2] * 4
+    here = _outer_loop_here(make_net, batches, 2, 2, 0.1, optax.sgd(**NESTEROV))
+    plain = _outer_loop_here(make_net, batches, 2, 2, 0.1, None)
+    for x, y in zip(_floats(net.state.params), _floats(here.params)):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+    # the outer optimizer changed the result (momentum carried across rounds)
+    assert any(not np.allclose(x, y, rtol=1e-3, atol=1e-4) for x, y in zip(_floats(net.state.params),
+                                                                           _floats(plain.params)))
+    # its state is carried to the next fit, and it is the trace the local loop reached
+    assert "outer_state" in trainer.algorithm_state
+
+
+def test_a_resumed_fit_continues_the_outer_state_exactly(client, make_net, digits, tmp_path):
+    tr, _ = digits
+    data = tr[:640]  # 20 minibatches: 5 rounds of 2 workers x 2 per epoch
+    url = str(tmp_path / "ck.dls")
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, outer_updater=optax.sgd(**NESTEROV))
+    straight = make_net(updater=optax.adam(1e-2))
+    DistributedTrainer(client, straight, master, progress=False).fit(data, epochs=2, checkpoint_every=7,
+                                                                     checkpoint_url=url)
+    aux = dlspark.checkpoint.read_checkpoint_aux(url)
+    assert aux is not None and any(np.abs(a).sum() > 0 for a in aux)  # a momentum trace was saved
+    resumed = make_net(updater=optax.adam(1e-2))
+    trainer = DistributedTrainer(client, resumed, master, progress=False)
+    trainer.fit(data, epochs=2, resume_from=url)
+    assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (40, 2)
+    for x, y in zip(_floats(resumed.state.params), _floats(straight.state.params)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    # The same checkpoint without its outer state: the resumed run restarts its momentum
+    # and ends elsewhere, so the state saved is what made the resume exact.
+    stripped = tmp_path / "no-outer.dls"
+    _without_outer_state(url, stripped)
+    assert dlspark.checkpoint.read_checkpoint_aux(str(stripped)) is None
+    fresh = make_net(updater=optax.adam(1e-2))
+    DistributedTrainer(client, fresh, master, progress=False).fit(data, epochs=2, resume_from=str(stripped))
+    assert fresh.iteration == 40
+    assert any(not np.allclose(x, y, rtol=1e-4, atol=1e-5)
+               for x, y in zip(_floats(fresh.state.params), _floats(straight.state.params)))
+
+
+def _without_outer_state(url, out):
+    import json
+    import zipfile
+
+    with zipfile.ZipFile(url) as z:
+        members = {n: z.read(n) for n in z.namelist() if n != "aux.npz"}
+    meta = json.loads(members["dlspark.json"])
+    del meta["aux_leaves"]
+    members["dlspark.json"] = json.dumps(meta).encode()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+
+
+def test_outer_updater_must_be_an_optax_transformation():
+    with pytest.raises(TypeError, match="outer_updater must be an optax transformation"):
+        ParameterAveraging(outer_updater=0.7)
