@@ -112,7 +112,9 @@ class ClientBack:
 
 @dataclass(frozen=True)
 class GraceOver:
-    pass
+    """The grace period started by the ``absence``-th ``ClientLost`` is over."""
+
+    absence: int = 0
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ class JobMachine:
         self.rngs: dict = {}
         self.writers: list = []
         self.client_present = True
+        self.absences = 0
         self.over = False
 
     # -- the one entry point ------------------------------------------------------
@@ -281,7 +284,8 @@ class JobMachine:
             for seq in [s for s, x in b.waiting.items() if x == w]:
                 del b.waiting[seq]
                 b.lost.add(w)
-            b.replies.pop(w, None)
+            if b.replies.pop(w, None) is not None:
+                b.lost.add(w)  # it answered, but the round is re-driven without it: a fault all the same
             if not b.waiting and not self.probing:
                 out += self._batch_complete()
         return out
@@ -300,9 +304,10 @@ class JobMachine:
         w = event.worker
         if w not in self.joining:
             return []
-        self.joining[w] += 1
-        if self.joining[w] < self.settings.join_attempts and self.live:
-            return [Join(w, min(self.live), self._rank(), self.settings.join_interval)]
+        self.joining[w][0] += 1
+        tries, rank = self.joining[w]
+        if tries < self.settings.join_attempts and self.live:  # the same rank: a resumed fit's saved RNG
+            return [Join(w, min(self.live), rank, self.settings.join_interval)]
         del self.joining[w]
         out = [Emit({"event": "join-failed", "worker": w, "error": event.error})]
         if not self.joining:
@@ -316,15 +321,16 @@ class JobMachine:
     # -- the client -----------------------------------------------------------------
     def _on_ClientLost(self, event):
         self.client_present = False
-        return [Timer(self.settings.client_grace, GraceOver())]
+        self.absences += 1
+        return [Timer(self.settings.client_grace, GraceOver(self.absences))]
 
     def _on_ClientBack(self, event):
         self.client_present = True
         return []
 
     def _on_GraceOver(self, event):
-        if self.client_present:
-            return []
+        if self.client_present or event.absence != self.absences:
+            return []  # back meanwhile, or the timer of an earlier absence
         self.over = True
         return [Abandon(f"job {self.job}: its client is gone (for more than {self.settings.client_grace:g} s)")]
 
@@ -337,10 +343,10 @@ class JobMachine:
         """Admit workers that arrived, then plan and start the next round."""
         if self.arrived and self.live:
             for w in sorted(self.arrived):
-                self.joining[w] = 0
+                self.joining[w] = [0, self._rank()]
             self.arrived = set()
             source = min(self.live)
-            return [Join(w, source, self._rank()) for w in sorted(self.joining)]
+            return [Join(w, source, self.joining[w][1]) for w in sorted(self.joining)]
         if self.joining:
             return []
         if not self.live:
