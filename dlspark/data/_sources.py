@@ -7,10 +7,8 @@ distributed evaluation (:meth:`Source.eval_parts`), a local fit
 Sources are tried in registry order; the first that implements the use and
 accepts the input serves it. :func:`register_source` plugs in a new kind of
 input (a pyspark RDD, say) without editing the trainer or the network.
-
-A minibatch reference, as workers receive it, is a file URL, a
-``(key, index)`` pair naming data held in a Dask worker's memory, or an
-in-memory DataSet; :func:`load_ref` resolves any of them.
+:func:`load_ref` resolves any minibatch reference on a worker: a file URL, a
+``(key, index)`` pair of data in a worker's memory, or an in-memory DataSet.
 
 Examples
 --------
@@ -356,7 +354,6 @@ async def _fetch_key(worker, key):
         except OSError:  # that holder is gone; another may still have it
             continue
     raise RuntimeError(f"minibatch {key!r} is held by no live worker")
-
 
 
 # -- built-in sources ---------------------------------------------------------------------
