@@ -111,7 +111,7 @@ def run_dlspark(tr, te, target, max_epochs, algorithm, client):
     if len(tr) % BATCH:
         trainer.fit(tr[: 8 * BATCH + len(tr) % BATCH])  # ... and the partial last minibatch's shape
     net.state = net.init_state()
-    trainer.threshold_state = None
+    trainer.algorithm_state.clear()  # the threshold reached while warming up is not carried on
     steps = {"n": 0, "bytes": 0}
 
     def epoch():

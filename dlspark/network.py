@@ -13,7 +13,7 @@ import optax
 from flax import struct
 
 from . import losses as _losses
-from .data import DataSet, MultiDataSet, as_dataset, list_minibatches, load_minibatch
+from .data import as_dataset, load_minibatch
 from .errors import NonFiniteLossError
 
 __all__ = ["Network", "TrainState", "Steps", "build_steps"]

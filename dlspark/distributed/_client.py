@@ -19,7 +19,51 @@ from ..checkpoint import read_checkpoint_meta, state_from_bytes, state_to_bytes
 from ..errors import CheckpointError, JobFailedError
 from ._messages import JobOptions, JobSpec
 
-__all__ = ["run_fit", "setup_workers", "fetch_state", "fetch_state_from_any", "checked"]
+__all__ = ["run_fit", "setup_workers", "fetch_state", "fetch_state_from_any", "checked", "install_plugins",
+           "check_fit_args"]
+
+
+def _plugins_installed(dask_scheduler=None):
+    from ._scheduler import DlsparkSchedulerPlugin
+    from ._worker import DlsparkWorkerPlugin
+
+    return {"scheduler": DlsparkSchedulerPlugin.name in dask_scheduler.plugins,
+            "worker": DlsparkWorkerPlugin.name in dask_scheduler.worker_plugins}
+
+
+def install_plugins(client, pin: bool):
+    """Register dlspark's scheduler and worker plugins once per cluster (``pin``: pin each
+    worker process to its own cores, for embedded CPU clusters)."""
+    from ._scheduler import DlsparkSchedulerPlugin
+    from ._worker import DlsparkWorkerPlugin
+
+    have = client.run_on_scheduler(_plugins_installed)
+    if not have["scheduler"]:
+        client.register_plugin(DlsparkSchedulerPlugin())
+    if not have["worker"]:
+        client.register_plugin(DlsparkWorkerPlugin(pin_cores=pin, n_workers=len(client.scheduler_info()["workers"])))
+
+
+def check_fit_args(master, epochs, checkpoint_every, checkpoint_url):
+    from ..algorithms._base import positive_int
+    from ..data._sources import reject_memory
+
+    if master is None:
+        raise ValueError("this trainer has no master; pass one, e.g. DistributedTrainer(client, net, ParameterAveraging())")
+    positive_int("epochs", epochs)
+    if checkpoint_every is not None:
+        positive_int("checkpoint_every", checkpoint_every)
+        if not checkpoint_url:
+            raise ValueError("checkpoint_every needs checkpoint_url, e.g. fit(data, checkpoint_every=10, checkpoint_url='s3://b/ck.dls')")
+        reject_memory(checkpoint_url, "checkpoint_url")
+
+
+def _progress_bar(show, total):
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="batch", desc="dlspark fit")
 
 
 def checked(resp):
@@ -94,7 +138,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     options = JobOptions(epochs=epochs, skip=tuple(skip), base_step=base_step, base_epoch=base_epoch,
                          epochs_total=epochs_total, epochs_done=epochs_done, checkpoint_every=checkpoint_every,
                          checkpoint_url=checkpoint_url, **master.job_options())
-    bar = trainer._progress_bar(progress, epochs * len(refs) - len(skip))
+    bar = _progress_bar(trainer.progress if progress is None else progress, epochs * len(refs) - len(skip))
 
     def on_event(event):
         _, msg = event

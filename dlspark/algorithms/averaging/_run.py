@@ -20,7 +20,7 @@ from distributed.protocol import to_serialize
 
 from ...distributed._run import WorkerRun
 from ...distributed._messages import FitReply, Unavailable
-from ._messages import AverageOrder, AverageReply, AverageWith, Contribution, Share
+from ._messages import AverageOrder, AverageReply, Contribution, Share
 from ._numerics import (assemble, average_on_device, average_share, is_averaged, outer_step, share_bounds,
                         share_pieces, take_share)
 
