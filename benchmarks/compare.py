@@ -1,9 +1,19 @@
 """Side-by-side: the same network, data and hyper-parameters trained by
 
-1. a plain single-process JAX/optax loop (one core),
-2. dlspark parameter averaging on 2 workers,
-3. dlspark gradient sharing on 2 workers,
-4. PyTorch DistributedDataParallel (gloo) on 2 CPU processes.
+1. a plain single-process loop: a bare ``jax.jit`` + optax step over numpy
+   minibatches (one core), the field's plain tool and the baseline;
+2. dlspark's own ``Network.fit`` in one process (its overhead over the plain loop);
+3. dlspark parameter averaging on 2 workers;
+4. dlspark gradient sharing on 2 workers;
+5. PyTorch DistributedDataParallel (gloo) on 2 CPU processes.
+
+Every contender is warmed the same way: every minibatch shape (the full one
+and the last partial one) is compiled (or run once, for torch) outside the
+clock, and the timed run starts again from the same initial parameters.
+Two networks: the 64-128-10 MLP (a 0.2 ms step, where fixed costs dominate)
+on digits and on a synthetic set, and the benchmarks' wide MLP (3 x 768, a
+step of about 10 ms at 160 examples) on a synthetic set, the regime where
+distribution starts to pay.
 
 Every contender gets one core per process: JAX processes are pinned with
 ``os.sched_setaffinity`` before JAX starts (XLA's CPU pool ignores thread
@@ -11,8 +21,9 @@ flags), torch ranks are pinned the same way and call ``torch.set_num_threads(1)`
 OMP/MKL/OpenBLAS thread variables are set to 1 for all. The table reports
 each figure as a ratio to the single-process JAX run, and is written as JSON.
 
-    python benchmarks/compare.py --quick            # digits only, < 10 minutes
-    python benchmarks/compare.py --out results.json # digits and the synthetic set
+    python benchmarks/compare.py --quick            # digits only, about a minute
+    python benchmarks/compare.py --out results.json # digits, synthetic, and the wide MLP
+    python benchmarks/compare.py --only wide        # the ~10 ms network alone
 
 torch is not a dlspark dependency: ``pip install -e ".[compare]"``.
 """
@@ -32,6 +43,8 @@ for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_v] = "1"
 
 HIDDEN, LR, BATCH = 128, 3e-3, 16
+#: run name -> (hidden layer widths, examples per minibatch per worker, learning rate)
+ARCH = {"digits": ((HIDDEN,), BATCH, LR), "synthetic": ((HIDDEN,), BATCH, LR), "wide": ((768, 768, 768), 160, 1e-3)}
 
 
 def _datasets(names):
@@ -44,26 +57,41 @@ def _datasets(names):
     if "synthetic" in names:
         full = dlspark.datasets.synthetic_classification(24_000, n_features=64, n_classes=10, noise=6.0, seed=1)
         out["synthetic"] = (full[:20_000], full[20_000:], 0.70)
+    if "wide" in names:
+        full = dlspark.datasets.synthetic_classification(36_000, n_features=256, n_classes=10, noise=6.0, seed=2)
+        out["wide"] = (full[:32_000], full[32_000:], 0.70)
     return out
 
 
-def _flax_mlp():
+def _flax_mlp(widths):
     import flax.linen as nn
 
     class MLP(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return nn.Dense(10)(nn.relu(nn.Dense(HIDDEN)(x)))
+            for w in widths:
+                x = nn.relu(nn.Dense(w)(x))
+            return nn.Dense(10)(x)
 
     return MLP()
 
 
-def _net(tr):
+def _net(tr, name):
     import optax
 
     import dlspark
 
-    return dlspark.Network(dlspark.Model.from_flax(_flax_mlp(), tr.features[:1]), updater=optax.adam(LR), seed=0)
+    widths, _, lr = ARCH[name]
+    return dlspark.Network(dlspark.Model.from_flax(_flax_mlp(widths), tr.features[:1]), updater=optax.adam(lr),
+                           seed=0)
+
+
+def _shapes_first(batches):
+    """One minibatch of each distinct size: what warming up must compile."""
+    seen = {}
+    for b in batches:
+        seen.setdefault(len(b), b)
+    return list(seen.values())
 
 
 def _acc(net, te):
@@ -85,31 +113,91 @@ def _run_epochs(train_one_epoch, evaluate, target, max_epochs):
             "epochs": max_epochs}
 
 
-def run_plain(tr, te, target, max_epochs):
+def run_plain(tr, te, target, max_epochs, name):
+    """The baseline: a bare jitted flax + optax step over numpy minibatches, in a pinned process."""
     os.sched_setaffinity(0, {0})
-    net = _net(tr)
-    batches = tr.batches(BATCH)
-    net.fit(batches[:2])  # compile outside the clock
-    net = _net(tr)
-    r = _run_epochs(lambda: net.fit(batches), lambda: _acc(net, te), target, max_epochs)
+    from functools import partial
+
+    import jax
+    import optax
+
+    widths, batch, lr = ARCH[name]
+    model, tx = _flax_mlp(widths), optax.adam(lr)
+    x, y = tr.features, tr.labels.argmax(1)
+
+    def loss_fn(params, xb, yb):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, xb), yb).mean()
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, xb, yb):
+        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    predict = jax.jit(model.apply)
+    batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+    init = lambda: model.init(jax.random.PRNGKey(0), x[:1])  # noqa: E731
+    params = init()
+    opt_state = tx.init(params)
+    for xb, yb in {len(b[0]): b for b in batches}.values():  # every shape, outside the clock
+        params, opt_state, loss = step(params, opt_state, xb, yb)
+    loss.block_until_ready()
+    predict(params, te.features).block_until_ready()
+    state = {"params": init()}
+    state["opt"] = tx.init(state["params"])
+
+    def epoch():
+        p, o = state["params"], state["opt"]
+        for xb, yb in batches:
+            p, o, loss = step(p, o, xb, yb)
+        loss.block_until_ready()
+        state["params"], state["opt"] = p, o
+
+    def evaluate():
+        return float((predict(state["params"], te.features).argmax(1) == te.labels.argmax(1)).mean())
+
+    r = _run_epochs(epoch, evaluate, target, max_epochs)
     r["examples_per_s"] = max_epochs * len(tr) / r["train_time"]
     r["bytes_per_step"] = 0
     return r
 
 
-def run_dlspark(tr, te, target, max_epochs, algorithm, client):
+def run_network_fit(tr, te, target, max_epochs, name):
+    """dlspark's Network.fit in one pinned process, warmed as the baseline is."""
+    os.sched_setaffinity(0, {0})
+    net = _net(tr, name)
+    batches = tr.batches(ARCH[name][1])
+    net.fit(_shapes_first(batches))  # every shape, outside the clock
+    _acc(net, te)
+    net.state = net.init_state()  # the same network (and compiled steps), from the start
+
+    def epoch():
+        net.fit(batches)
+        net.state.params  # noqa: B018
+        import jax
+        jax.block_until_ready(net.state)
+
+    r = _run_epochs(epoch, lambda: _acc(net, te), target, max_epochs)
+    r["examples_per_s"] = max_epochs * len(tr) / r["train_time"]
+    r["bytes_per_step"] = 0
+    return r
+
+
+def run_dlspark(tr, te, target, max_epochs, algorithm, client, name):
     import dlspark
 
     from _common import make_master
 
-    net = _net(tr)
-    master = make_master(algorithm, BATCH, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2))
+    batch = ARCH[name][1]
+    net = _net(tr, name)
+    master = make_master(algorithm, batch, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2))
     trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
     # Compile outside the clock, as for the plain run: workers keep the compiled
     # network (by its token) across fits, so one short fit warms them up.
-    trainer.fit(tr[: 8 * BATCH])
-    if len(tr) % BATCH:
-        trainer.fit(tr[: 8 * BATCH + len(tr) % BATCH])  # ... and the partial last minibatch's shape
+    trainer.fit(tr[: 8 * batch])
+    if len(tr) % batch:
+        trainer.fit(tr[: 8 * batch + len(tr) % batch])  # ... and the partial last minibatch's shape
+    _acc(trainer.network, te)
     net.state = net.init_state()
     trainer.algorithm_state.clear()  # the threshold reached while warming up is not carried on
     steps = {"n": 0, "bytes": 0}
@@ -127,7 +215,7 @@ def run_dlspark(tr, te, target, max_epochs, algorithm, client):
     return r
 
 
-def _ddp_rank(rank, world, tr_x, tr_y, te_x, te_y, target, max_epochs, port, out):
+def _ddp_rank(rank, world, tr_x, tr_y, te_x, te_y, target, max_epochs, port, out, name):
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     import torch
     import torch.distributed as dist
@@ -135,17 +223,22 @@ def _ddp_rank(rank, world, tr_x, tr_y, te_x, te_y, target, max_epochs, port, out
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(tr_x.shape[1], HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 10))
+    widths, batch, lr = ARCH[name]
+    layers, width = [], tr_x.shape[1]
+    for w in widths:
+        layers += [torch.nn.Linear(width, w), torch.nn.ReLU()]
+        width = w
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.Adam(ddp.parameters(), lr=LR)
+    opt = torch.optim.Adam(ddp.parameters(), lr=lr)
     loss_fn = torch.nn.CrossEntropyLoss()
     x, y = torch.from_numpy(tr_x), torch.from_numpy(tr_y.argmax(1))
     share = torch.arange(rank, len(x), world)  # each rank its half, as a DistributedSampler without shuffle
     tx, ty = torch.from_numpy(te_x), torch.from_numpy(te_y.argmax(1))
 
     def epoch():
-        for i in range(0, len(share), BATCH):
-            idx = share[i:i + BATCH]
+        for i in range(0, len(share), batch):
+            idx = share[i:i + batch]
             opt.zero_grad()
             loss_fn(ddp(x[idx]), y[idx]).backward()
             opt.step()
@@ -154,6 +247,16 @@ def _ddp_rank(rank, world, tr_x, tr_y, te_x, te_y, target, max_epochs, port, out
     def evaluate():
         with torch.no_grad():
             return float((model(tx).argmax(1) == ty).float().mean())
+
+    # warmed as the others: one step of each minibatch size, then the initial parameters again
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    for size in (batch, len(share) % batch or batch):  # as many calls on every rank: each all-reduces
+        idx = share[:size]
+        opt.zero_grad()
+        loss_fn(ddp(x[idx]), y[idx]).backward()
+    opt.zero_grad()
+    model.load_state_dict(initial)
+    evaluate()
 
     r = _run_epochs(epoch, evaluate, target, max_epochs)
     if rank == 0:
@@ -165,7 +268,7 @@ def _ddp_rank(rank, world, tr_x, tr_y, te_x, te_y, target, max_epochs, port, out
     dist.destroy_process_group()
 
 
-def run_ddp(tr, te, target, max_epochs):
+def run_ddp(tr, te, target, max_epochs, name):
     try:
         import torch.multiprocessing as mp
     except ImportError:
@@ -178,7 +281,7 @@ def run_ddp(tr, te, target, max_epochs):
         port = s.getsockname()[1]
     out = os.path.join(tempfile.mkdtemp(), "ddp.json")
     mp.start_processes(_ddp_rank, args=(2, tr.features, tr.labels, te.features, te.labels, target, max_epochs, port,
-                                        out), nprocs=2, start_method="spawn")
+                                        out, name), nprocs=2, start_method="spawn")
     with open(out) as f:
         return json.load(f)
 
@@ -188,8 +291,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="digits only, fewer epochs")
     ap.add_argument("--epochs", type=int, default=None)
     ap.add_argument("--out", default="compare-results.json")
+    ap.add_argument("--only", choices=sorted(ARCH), action="append", help="run only this set (repeatable)")
     args = ap.parse_args(argv)
-    names = ["digits"] if args.quick else ["digits", "synthetic"]
+    names = args.only or (["digits"] if args.quick else ["digits", "synthetic", "wide"])
     epochs = args.epochs or (12 if args.quick else 20)
 
     from distributed import Client
@@ -197,21 +301,25 @@ def main(argv=None):
     from dlspark.cluster import local_cluster
 
     results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
-               "config": {"hidden": HIDDEN, "lr": LR, "batch_size_per_worker": BATCH, "epochs": epochs}, "runs": {}}
+               "config": {"arch": ARCH, "epochs": epochs}, "runs": {}}
     import multiprocessing as mpc
 
     ctx = mpc.get_context("spawn")
     for name, (tr, te, target) in _datasets(names).items():
+        ep = epochs if name != "wide" else min(epochs, 3)
         runs = {}
-        with ctx.Pool(1) as pool:  # the plain run in its own pinned process
-            runs["jax_single_process"] = pool.apply(run_plain, (tr, te, target, epochs))
+        with ctx.Pool(1) as pool:  # the plain runs each in their own pinned process
+            runs["jax_single_process"] = pool.apply(run_plain, (tr, te, target, ep, name))
+        with ctx.Pool(1) as pool:
+            runs["dlspark_network_fit"] = pool.apply(run_network_fit, (tr, te, target, ep, name))
         with local_cluster(2) as cluster, Client(cluster) as client:
-            runs["dlspark_parameter_averaging"] = run_dlspark(tr, te, target, epochs, "averaging", client)
-            runs["dlspark_gradient_sharing"] = run_dlspark(tr, te, target, epochs, "sharing", client)
-        runs["torch_ddp_gloo"] = run_ddp(tr, te, target, epochs)
+            runs["dlspark_parameter_averaging"] = run_dlspark(tr, te, target, ep, "averaging", client, name)
+            runs["dlspark_gradient_sharing"] = run_dlspark(tr, te, target, ep, "sharing", client, name)
+        runs["torch_ddp_gloo"] = run_ddp(tr, te, target, ep, name)
         results["runs"][name] = {"target_accuracy": target, "results": runs}
         base = runs["jax_single_process"]
-        print(f"\n{name}: target accuracy {target}, {epochs} epochs, batch {BATCH}/worker, lr {LR}")
+        widths, batch, lr = ARCH[name]
+        print(f"\n{name}: target accuracy {target}, {ep} epochs, MLP {widths}, batch {batch}/worker, lr {lr}")
         print(f"{'contender':<30}{'examples/s':>12}{'x':>7}{'time to target':>16}{'x':>7}{'epochs':>8}{'final acc':>11}{'bytes/step':>12}")
         for k, r in runs.items():
             if "skipped" in r:

@@ -12,6 +12,7 @@ from .algorithms import (AdaptiveThreshold, FixedThreshold, GradientSharing, NoR
                           ParameterAveraging, ResidualClipping, TargetSparsityThreshold)
 from .network import Network, TrainState
 from .trainer import DistributedTrainer
+from .parallel import ParallelWrapper
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,7 @@ __all__ = [
     "Network",
     "TrainState",
     "DistributedTrainer",
+    "ParallelWrapper",
     "ParameterAveraging",
     "GradientSharing",
     "AdaptiveThreshold",

@@ -19,6 +19,8 @@ from .errors import NonFiniteLossError
 __all__ = ["Network", "TrainState", "Steps", "build_steps"]
 
 _ON_NONFINITE = ("raise", "skip")
+#: local fit reads losses back (one host sync) every this many steps
+_SYNC_EVERY = 64
 
 
 @struct.dataclass
@@ -45,7 +47,12 @@ class Steps(NamedTuple):
     split one training step so that a distributed master can act between
     them; ``train_step(state, batch) -> (state, loss, applied)`` is both in
     one program and leaves the state unchanged (``applied`` false) when the
-    loss or update is not finite.
+    loss or update is not finite. ``guarded_step(state, batch, halted) ->
+    (state, loss, applied, halted)`` is ``train_step`` that changes nothing
+    once a step was not finite, so that many steps run without waiting on
+    the host and still stop where the first bad one was. ``train_steps(state,
+    batches) -> (state, (losses, applied))`` runs ``train_step`` over
+    minibatches stacked on a leading axis, in one compiled call (``lax.scan``).
     """
 
     train_step: Callable
@@ -54,6 +61,8 @@ class Steps(NamedTuple):
     output: Callable
     loss_sum: Callable
     per_example_loss: Callable
+    guarded_step: Callable
+    train_steps: Callable
 
 
 def _resolve_losses(loss):
@@ -127,6 +136,18 @@ def build_steps(model, loss, updater) -> Steps:
         kept = state.replace(rng=rng)
         return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, kept), value, ok
 
+    def guarded_step(state, batch, halted):
+        new, value, ok = train_step(state, batch)
+        out = jax.tree_util.tree_map(lambda a, b: jnp.where(halted, b, a), new, state)
+        return out, value, ok & ~halted, halted | ~ok
+
+    def train_steps(state, batches):
+        def body(st, batch):
+            st, value, ok = train_step(st, batch)
+            return st, (value, ok)
+
+        return jax.lax.scan(body, state, batches)
+
     def output(state, x, fmask):
         return model.apply_eval(state.params, state.model_state, x, fmask)
 
@@ -154,6 +175,8 @@ def build_steps(model, loss, updater) -> Steps:
         output=jax.jit(output),
         loss_sum=jax.jit(loss_sum),
         per_example_loss=jax.jit(per_example_loss),
+        guarded_step=jax.jit(guarded_step, donate_argnums=(0,)),
+        train_steps=jax.jit(train_steps, donate_argnums=(0,)),
     )
     return steps
 
@@ -276,9 +299,9 @@ class Network:
     # --- checks ---------------------------------------------------------------
     def check_batch(self, ds) -> None:
         """Raise a clear error if ``ds`` cannot be fed to this network (checked once per shape)."""
-        x, y, fm, lm = ds.jit_batch()
-        key = jax.tree_util.tree_map(lambda a: (a.shape[1:], a.dtype.str), (x, y, fm, lm))
-        key = str(key)
+        x, y, fm, lm = batch = ds.jit_batch()
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        key = (treedef, tuple((np.shape(a)[1:], np.asarray(a).dtype.str) for a in leaves))
         if key in self._checked_shapes:
             return
         try:
@@ -337,6 +360,11 @@ class Network:
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=epochs * len(batches) if hasattr(batches, "__len__") else None, unit="batch")
+        steps = self.steps
+        guarded = self.on_nonfinite == "raise"
+        halted = jnp.zeros((), bool)
+        it = int(self.state.step)
+        pending: list = []  # (iteration, loss, applied) still on the device
         try:
             for _ in range(epochs):
                 order = list(batches) if hasattr(batches, "__len__") else batches
@@ -344,15 +372,45 @@ class Network:
                     perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(order))
                     order = [order[i] for i in perm]
                 for mb in order:
-                    loss = self.fit_minibatch(load_minibatch(mb) if are_urls else mb)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+                    batch = self._device_batch(load_minibatch(mb) if are_urls else mb)
+                    # No host sync per step: steps queue up on the device while Python prepares
+                    # the next ones; losses are read back every _SYNC_EVERY steps.
+                    if guarded:
+                        self.state, loss, ok, halted = steps.guarded_step(self.state, batch, halted)
+                    else:
+                        self.state, loss, ok = steps.train_step(self.state, batch)
+                    pending.append((it, loss, ok))
+                    it += 1
+                    if len(pending) >= _SYNC_EVERY:
+                        self._settle(pending, bar)
+                self._settle(pending, bar)
                 self.state = self.state.replace(epoch=self.state.epoch + 1)
         finally:
             if bar is not None:
                 bar.close()
         return self
+
+    def _device_batch(self, ds):
+        ds = as_dataset(ds)
+        self.check_batch(ds)
+        return _to_device_batch(ds)
+
+    def _settle(self, pending, bar):
+        """Read back the pending steps' losses: record them, and apply the non-finite policy to
+        the first bad one (under "raise" the guarded steps after it changed nothing)."""
+        if not pending:
+            return
+        losses, oks = jax.device_get(([p[1] for p in pending], [p[2] for p in pending]))
+        its = [p[0] for p in pending]
+        pending.clear()
+        for i, loss, ok in zip(its, losses, oks):
+            if not ok:
+                self.nonfinite(i, float(loss))
+                continue
+            self.score_history.append((i, float(loss)))
+        if bar is not None:
+            bar.update(len(its))
+            bar.set_postfix(loss=f"{float(losses[-1]):.4g}", refresh=False)
 
     def fit_minibatch(self, ds) -> float:
         """One training step on one minibatch; returns its loss (DL4J's ``fit(DataSet)``)."""

@@ -7,15 +7,11 @@ evaluation, inference and scoring run as Dask tasks (``dlspark._inference``).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-import uuid
-
 from . import _inference as _inf
 from .algorithms._base import Algorithm, positive_int
-from .data._sources import SourceContext, fit_minibatches, path_minibatches, reject_memory
+from .data._exports import Exports
+from .data._sources import SourceContext, path_minibatches
 from .distributed._client import check_fit_args, install_plugins, run_fit
-from .io import url_join
 from .network import Network
 
 __all__ = ["DistributedTrainer"]
@@ -87,7 +83,7 @@ class DistributedTrainer:
         self.last_fit_stats: list = []
         self.algorithm_state: dict = {}
         self.published: dict = {}
-        self._temp_dirs: list = []
+        self._exports = Exports()
         install_plugins(client, pin)
 
     def __getattr__(self, name):
@@ -113,10 +109,9 @@ class DistributedTrainer:
             self._cluster = None
 
     def delete_temp_files(self):
-        """Remove the minibatch files this trainer exported to temporary directories."""
-        for d in self._temp_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        self._temp_dirs = []
+        """Remove the minibatch files this trainer exported (under a temporary directory or the
+        master's ``export_directory``); a later fit exports again."""
+        self._exports.remove()
 
     def _workers(self):
         workers = sorted(self.client.scheduler_info()["workers"])
@@ -125,13 +120,7 @@ class DistributedTrainer:
         return workers
 
     def _export_dir(self):
-        base = self.master.export_directory
-        if base is None:
-            d = tempfile.mkdtemp(prefix="dlspark-export-")
-            self._temp_dirs.append(d)
-            return d
-        reject_memory(base, "export_directory")
-        return url_join(base, uuid.uuid4().hex)
+        return self._exports.directory(self.master.export_directory)
 
     # -- training --------------------------------------------------------------
     def fit(self, data, epochs: int = 1, *, checkpoint_every: int | None = None, checkpoint_url: str | None = None,
@@ -156,8 +145,9 @@ class DistributedTrainer:
             ``self.network``, trained.
         """
         check_fit_args(self.master, epochs, checkpoint_every, checkpoint_url)
-        m = fit_minibatches(data, SourceContext(self.client, self.master.batch_size_per_worker,
-                                                self.master.training_approach, self._export_dir))
+        # the files of an earlier fit of the same data (by content) are trained from again
+        m = self._exports.minibatches(data, SourceContext(self.client, self.master.batch_size_per_worker,
+                                                          self.master.training_approach, self._export_dir))
         return run_fit(self, m.refs, m.partitions, epochs, checkpoint_every=checkpoint_every,
                        checkpoint_url=checkpoint_url, resume_from=resume_from, callbacks=callbacks, progress=progress)
 

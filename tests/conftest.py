@@ -4,6 +4,13 @@ import os
 # worker processes set their own environment before JAX starts.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import jax  # noqa: E402
+
+# Several CPU devices in the test process, as equinox's conftest gives it, so that multi-device
+# code (ParallelWrapper) is tested on any machine. JAX's setting, not XLA_FLAGS: the spawned Dask
+# worker processes must not inherit it. It must come before any JAX operation starts a backend.
+jax.config.update("jax_num_cpu_devices", 2)
+
 import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -172,4 +172,44 @@ def test_train_step_is_compiled_once(make_net, digits):
     net = make_net()
     net.fit(tr[:640], batch_size=64)
     net.fit(tr[:640], batch_size=64)
-    assert net.steps.train_step._cache_size() == 1
+    # local fit runs the guarded step (on_nonfinite="raise"), the skipping one the plain step
+    assert net.steps.guarded_step._cache_size() == 1
+    skipper = make_net(on_nonfinite="skip")
+    skipper.fit(tr[:640], batch_size=64)
+    skipper.fit(tr[:640], batch_size=64)
+    assert skipper.steps.train_step._cache_size() == 1
+
+
+def test_a_non_finite_step_mid_fit_stops_there_though_later_steps_were_already_queued(make_net, digits):
+    # Local fit reads losses back every few dozen steps; the steps queued after a bad one
+    # must change nothing, so that the network stops exactly where the bad step was.
+    tr, _ = digits
+    bad = tr.features[:32].copy()
+    bad[0, 0] = np.inf
+    good = tr[:320].batches(32)
+    batches = good[:3] + [DataSet(bad, tr.labels[:32])] + good[3:]
+    net = make_net()
+    with pytest.raises(NonFiniteLossError, match="iteration 3"):
+        net.fit(batches)
+    ref = make_net()
+    ref.fit(good[:3])
+    assert net.iteration == 3 and len(net.score_history) == 3
+    for x, y in zip(jax.tree_util.tree_leaves(net.state.params), jax.tree_util.tree_leaves(ref.state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_time(make_net, digits):
+    tr, _ = digits
+    batches = [jax.tree_util.tree_map(jnp.asarray, b.jit_batch()) for b in tr[:160].batches(32)]
+    net = make_net(module=MLP(dropout=0.2))
+    one = jax.tree_util.tree_map(jnp.copy, net.state)
+    losses = []
+    for b in batches:
+        one, loss, _ = net.steps.train_step(one, b)
+        losses.append(loss)
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batches)
+    fused, (fused_losses, oks) = net.steps.train_steps(jax.tree_util.tree_map(jnp.copy, net.state), stacked)
+    assert bool(np.all(oks))
+    np.testing.assert_array_equal(np.asarray(fused_losses), np.asarray(losses))
+    for x, y in zip(jax.tree_util.tree_leaves(fused), jax.tree_util.tree_leaves(one)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -384,3 +384,42 @@ def test_a_hung_worker_without_a_nanny_is_dropped_when_its_heartbeats_stop(make_
         assert per_epoch == {0: len(urls), 1: len(urls)}
         assert net.iteration == 2 * len(urls)
         assert min(s["workers"] for s in trainer.last_fit_stats) == 1
+
+
+def test_fused_rounds_train_as_one_step_at_a_time(client2, make_net, digits):
+    # A round's steps as one compiled call over the stacked minibatches: the same bits,
+    # dropout included, as one call per step.
+    tr, _ = digits
+    batches = tr[:640].batches(32)
+    nets = []
+    for fused in (True, False):
+        net = make_net(MLP(dropout=0.2), updater=optax.adam(1e-2))
+        master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, fused_steps=fused)
+        DistributedTrainer(client2, net, master, progress=False).fit(batches, epochs=2)
+        nets.append(net)
+    assert nets[0].iteration == nets[1].iteration == 40
+    _close(nets[0].state.params, nets[1].state.params, rtol=0, atol=0)
+    _close(nets[0].state.opt_state, nets[1].state.opt_state, rtol=0, atol=0)
+
+
+def test_a_second_fit_of_the_same_data_exports_nothing_and_close_removes_the_exports(client2, make_net, digits,
+                                                                                       tmp_path):
+    # DL4J's users fit once per epoch: the files written for the first fit are trained from
+    # again when the data's content is the same (not only the same object).
+    tr, _ = digits
+    base = tmp_path / "exports"
+    trainer = DistributedTrainer(client2, make_net(), ParameterAveraging(batch_size_per_worker=32,
+                                                                         export_directory=str(base)), progress=False)
+    data = tr[:256]
+    trainer.fit(data)
+    first = sorted(p.name for p in base.iterdir())
+    written = {p: p.stat().st_mtime_ns for p in base.rglob("*.npz")}
+    trainer.fit(data)
+    trainer.fit(DataSet(data.features.copy(), data.labels.copy()))
+    assert sorted(p.name for p in base.iterdir()) == first and len(first) == 1
+    assert {p: p.stat().st_mtime_ns for p in base.rglob("*.npz")} == written and len(written) == 8
+    assert trainer.network.iteration == 24
+    trainer.fit(DataSet(data.features + 1.0, data.labels))  # other content: exported anew
+    assert len(list(base.iterdir())) == 2
+    trainer.close()
+    assert list(base.iterdir()) == []

@@ -92,6 +92,11 @@ class Algorithm:
         return {"steps_per_round": self.steps_per_round, "repartition": self.repartition,
                 "repartition_strategy": self.repartition_strategy}
 
+    @property
+    def prefetch_depth(self) -> int:
+        """Minibatches a worker loads ahead of its steps."""
+        return self.worker_prefetch_num_batches
+
     def create_driver(self, options: JobOptions) -> RoundDriver:
         raise NotImplementedError
 

@@ -54,7 +54,7 @@ class WorkerRun:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute")
         # One loading thread for the job's life: it reads the next round's first
         # minibatches while this round is still being combined.
-        self.prefetch = Prefetcher(self.staged, self.master.worker_prefetch_num_batches)
+        self.prefetch = Prefetcher(self.staged, self.master.prefetch_depth)
 
     @property
     def address(self) -> str:

@@ -46,6 +46,10 @@ class ParameterAveraging(Algorithm):
         ``averaging_frequency`` in order, so the last round may leave workers idle.
     collect_training_stats : bool
         Record per-round timings (fit, averaging, idle) on the trainer.
+    fused_steps : bool
+        When a round's minibatches share one shape, run the worker's steps as
+        one compiled call (``lax.scan`` over the stacked minibatches) instead
+        of one call per step; the prefetcher then loads a whole round ahead.
     outer_updater : optax.GradientTransformation, optional
         An outer optimizer (DiLoCo, arXiv 2311.08105): at each averaging the
         round-start parameters minus the workers' mean is taken as a gradient
@@ -70,6 +74,7 @@ class ParameterAveraging(Algorithm):
     repartition: str = "always"
     repartition_strategy: str = "balanced"
     collect_training_stats: bool = False
+    fused_steps: bool = True
     outer_updater: object = None
 
     name = "averaging"
@@ -77,8 +82,9 @@ class ParameterAveraging(Algorithm):
     def __post_init__(self):
         check_common(self)
         positive_int("averaging_frequency", self.averaging_frequency)
-        if not isinstance(self.save_updater, bool):
-            raise TypeError(f"save_updater must be True or False, got {self.save_updater!r}")
+        for name in ("save_updater", "fused_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.outer_updater is not None and not (hasattr(self.outer_updater, "init")
                                                    and hasattr(self.outer_updater, "update")):
             raise TypeError("outer_updater must be an optax transformation, e.g. "
@@ -88,6 +94,13 @@ class ParameterAveraging(Algorithm):
     @property
     def steps_per_round(self) -> int:
         return self.averaging_frequency
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Minibatches a worker loads ahead: a whole round when its steps are fused."""
+        if self.fused_steps and self.worker_prefetch_num_batches:
+            return max(self.worker_prefetch_num_batches, self.averaging_frequency)
+        return self.worker_prefetch_num_batches
 
     # -- plug-in hooks ------------------------------------------------------------
     def create_driver(self, options):

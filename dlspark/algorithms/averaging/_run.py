@@ -27,6 +27,11 @@ from ._numerics import (assemble, average_on_device, average_share, is_averaged,
 __all__ = ["AveragingRun"]
 
 
+def _one_shape(batches) -> bool:
+    shapes = {tuple((np.shape(x), np.asarray(x).dtype.str) for x in jax.tree_util.tree_leaves(b)) for b in batches}
+    return len(shapes) == 1
+
+
 def _outer_function(net, tx):
     """The jitted outer step of ``tx``, kept with the network so later fits do not compile it again."""
     fns = net.__dict__.setdefault("_outer_fns", {})
@@ -84,11 +89,19 @@ class AveragingRun(WorkerRun):
         wait0 = self.prefetch.wait_time
         n_examples = 0
         base_step = int(state.step)
-        for n, batch in self.prefetch.iterate(refs):
-            state, loss, ok = steps.train_step(state, batch)
-            losses.append(loss)
-            oks.append(ok)
-            n_examples += n
+        staged = list(self.prefetch.iterate(refs)) if self.master.fused_steps and len(refs) > 1 else None
+        if staged is not None and _one_shape(b for _, b in staged):
+            # the round's steps as one compiled call over the stacked minibatches
+            stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[b for _, b in staged])
+            state, (losses, oks) = steps.train_steps(state, stacked)
+            n_examples = sum(n for n, _ in staged)
+            losses, oks = list(np.asarray(losses)), list(np.asarray(oks))
+        else:
+            for n, batch in (staged or self.prefetch.iterate(refs)):
+                state, loss, ok = steps.train_step(state, batch)
+                losses.append(loss)
+                oks.append(ok)
+                n_examples += n
         self.state = state
         # One device-to-host transfer per round, not per step.
         oks = [bool(x) for x in oks]

@@ -1,0 +1,94 @@
+"""Per-device efficiency of ParallelWrapper: one process, its CPU devices, no cluster.
+
+efficiency = (steps/s of one device inside a ParallelWrapper fit) / (steps/s of
+the same jitted step in a plain process pinned to one core). The wrapper runs
+in a fresh process, where JAX starts with ``jax_num_cpu_devices`` = devices and
+which may use as many cores; the baseline is measured in the same run, before
+and after, and averaged. The steps/s of the wrapper come from its round
+statistics, leaving out the first two rounds (as ``bench_efficiency.py`` does
+for the cluster). Print the figures with
+``python benchmarks/bench_parallel.py [mlp|cnn ...]``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import timeit
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import make_data, make_network, plain_steps_per_second  # noqa: E402
+
+#: network -> minibatch size of a plain step of roughly 10-13 ms on one core here (bench_efficiency's)
+BATCH = {"mlp": 160, "cnn": 16}
+FREQ = 5
+
+
+def run_wrapper(kind, batch, freq, n_rounds, devices):
+    """Runs in the wrapper's own process: a warm-up fit (compilation), then the timed fit."""
+    import dlspark
+
+    net = make_network(kind)
+    master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq)
+    wrapper = dlspark.ParallelWrapper(net, master, devices=devices, progress=False)
+    wrapper.fit(make_data(batch * freq * devices * 4, kind))
+    data = make_data(batch * freq * devices * n_rounds, kind)
+    t0 = time.perf_counter()
+    wrapper.fit(data)
+    whole = time.perf_counter() - t0
+    stats = wrapper.last_fit_stats[2:]
+    steps = sum(s["minibatches"] for s in stats) / devices
+    wall = sum(s["round_time"] for s in stats)
+    return {"steps_per_s": steps / wall, "whole_fit_steps_per_s": n_rounds * freq / whole,
+            "data_wait_share": sum(s["data_wait"] for s in stats) / wall, "params": net.num_params,
+            "device": str(wrapper.devices[0].platform)}
+
+
+def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2):
+    code = textwrap.dedent(f"""
+        import json, os, sys
+        os.sched_setaffinity(0, set(range({devices})))  # before JAX starts
+        import jax
+        jax.config.update("jax_num_cpu_devices", {devices})
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from bench_parallel import run_wrapper
+        print(json.dumps(run_wrapper({kind!r}, {batch}, {freq}, {n_rounds}, {devices})))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ):
+    batch = BATCH[kind]
+    before, _ = plain_steps_per_second(kind, batch)
+    job = wrapper_steps_per_second(kind, batch, freq, n_rounds, devices)
+    after, _ = plain_steps_per_second(kind, batch)
+    plain = (before + after) / 2
+    return {"algorithm": "averaging", "network": kind, "devices": devices, "frequency": freq,
+            "wrapper_steps_per_s_per_device": job["steps_per_s"], "plain_steps_per_s": plain,
+            "efficiency": job["steps_per_s"] / plain,
+            "efficiency_whole_fit": job["whole_fit_steps_per_s"] / plain,
+            "plain_step_ms": 1000 / plain, "plain_drift": after / before,
+            "data_wait_share": job["data_wait_share"], "params": job["params"]}
+
+
+class ParallelWrapperEfficiency:
+    """asv: the ratio is the figure (``track_``), not an absolute time."""
+
+    timeout = 300
+    timer = timeit.default_timer
+    unit = "ratio"
+
+    params = ["mlp", "cnn"]
+    param_names = ["network"]
+
+    def track_averaging_efficiency_2_devices(self, kind):
+        return measure(kind)["efficiency"]
+
+
+if __name__ == "__main__":
+    for kind in sys.argv[1:] or ["mlp", "cnn"]:
+        print(json.dumps(measure(kind)))

@@ -1,0 +1,658 @@
+"""ParallelWrapper: data-parallel training over the devices of one process (DL4J's ParallelWrapper).
+
+On one machine with several GPUs, or many cores, the replicas need no cluster:
+no serialization, no scheduler, no worker processes. Each device holds one
+replica of the train state (every leaf stacked on a leading replica axis and
+sharded over a one-axis mesh). A round is planned by the cluster's own planner
+(:class:`~dlspark.distributed._plan.Coordinator`, device ``i`` standing where the
+``i``-th worker in address order stands), so the minibatch-to-replica assignment,
+the per-replica RNG streams and the checkpoints are those of a
+:class:`~dlspark.DistributedTrainer` with as many workers. A round's steps and
+its mean run as one compiled SPMD call (``shard_map``: ``Network.steps.train_steps``
+on every device, then ``psum``), with the outer optimizer in the same call.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._inference import _batches, _check_evaluations, stack_examples, unstack_outputs
+from .algorithms._base import Algorithm, positive_int
+from .algorithms.averaging import ParameterAveraging
+from .algorithms.averaging._numerics import is_averaged, outer_step
+from .checkpoint import state_to_bytes
+from .data import as_dataset, list_minibatches, load_ref
+from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_examples, is_dask_collection,
+                            keyed_items, local_batches)
+from .distributed._client import _progress_bar, _resume
+from .distributed._plan import Coordinator
+from .io import write_bytes
+from .network import Network
+
+__all__ = ["ParallelWrapper", "resolve_devices"]
+
+#: the mesh axis the replicas are laid out on
+AXIS = "replica"
+
+
+# -- devices -----------------------------------------------------------------------
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _request_cpu_devices(n: int) -> None:
+    """Ask JAX for ``n`` CPU devices, if it has not started and nobody chose a count. The
+    config setting, not ``XLA_FLAGS``: spawned Dask workers would inherit the variable."""
+    if jax.config.jax_num_cpu_devices >= 0 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # JAX already started: the devices it has are the ones there are
+        pass
+
+
+def resolve_devices(devices=None) -> list:
+    """The devices a :class:`ParallelWrapper` trains on.
+
+    Parameters
+    ----------
+    devices : None, int or sequence of jax.Device
+        None: every local device of the default backend (on CPU one per core,
+        when JAX is started here). An int: the first that many.
+
+    Returns
+    -------
+    list of jax.Device
+    """
+    if isinstance(devices, bool) or not (devices is None or isinstance(devices, (int, list, tuple))):
+        raise TypeError(f"devices must be None, a number of devices or a list of jax devices, "
+                        f"got {type(devices).__name__}")
+    if isinstance(devices, (list, tuple)):
+        bad = [type(d).__name__ for d in devices if not isinstance(d, jax.Device)]
+        if bad or not devices or len(set(devices)) != len(devices):
+            raise ValueError(f"devices must be distinct jax devices, e.g. jax.local_devices()[:2]; got {devices!r}")
+        return list(devices)
+    if devices is not None:
+        positive_int("devices", devices)
+    _request_cpu_devices(devices or _cores())
+    local = jax.local_devices()
+    platform = local[0].platform
+    hint = ("; JAX was started before ParallelWrapper could ask for CPU devices: call "
+            "jax.config.update('jax_num_cpu_devices', N) right after importing jax") if platform == "cpu" else ""
+    if devices is not None and devices > len(local):
+        raise ValueError(f"devices={devices}, but JAX has {len(local)} {platform} device(s){hint}")
+    if devices is None and platform == "cpu" and len(local) == 1 and _cores() > 1:
+        raise ValueError(f"JAX has 1 CPU device on this {_cores()}-core machine{hint}, "
+                         "or pass devices=1 to train on one device")
+    return local[:devices] if devices else local
+
+
+# -- data ------------------------------------------------------------------------------
+def _minibatches(data, batch_size) -> tuple:
+    """``(minibatches, partitions)`` as the cluster cuts ``data``: one partition per dask block
+    or bag partition, else one partition."""
+    parts = None
+    if isinstance(data, tuple) and len(data) == 2 and all(is_dask_collection(d) for d in data):
+        import dask
+
+        xs, ys = _aligned_blocks(*data)
+        parts = dask.compute(*[dask.delayed(_batch_arrays)(a, b, batch_size) for a, b in zip(xs, ys)])
+    elif is_dask_collection(data):
+        import dask
+
+        parts = dask.compute(*[dask.delayed(_rebatch)(p, batch_size) for p in data.to_delayed()])
+    if parts is not None:
+        return [b for p in parts for b in p], [i for i, p in enumerate(parts) for _ in p]
+    batches, are_urls = local_batches(data, batch_size, 1)
+    refs = list(batches) if are_urls else [as_dataset(b, "a minibatch") for b in batches]
+    return refs, [0] * len(refs)
+
+
+def _one_shape(batches) -> bool:
+    return len({tuple((np.shape(x), np.asarray(x).dtype.str) for x in jax.tree_util.tree_leaves(b))
+                for b in batches}) == 1
+
+
+class _Rounds:
+    """The fit's rounds, planned and loaded ahead on one thread.
+
+    Planning is deterministic here (no replica is ever lost), so the loading thread
+    plans too: each item is a round with its minibatches already on their devices,
+    stacked ``[replica, step, ...]`` when every replica has as many of one shape (a
+    *regular* round), else per replica. ``ahead`` rounds wait in the queue (0: load
+    on the caller's thread).
+    """
+
+    def __init__(self, wrapper, refs, partitions, epochs, skip, loader, storage_options, ahead):
+        m = wrapper.master
+        self.wrapper, self.refs, self.loader, self.options = wrapper, refs, loader, storage_options
+        self.planner = Coordinator(partitions, epochs, m.averaging_frequency, m.repartition,
+                                   m.repartition_strategy, skip=skip)
+        self.wait = 0.0
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=ahead) if ahead else None
+        if ahead:
+            self._thread = threading.Thread(target=self._produce, name="dlspark-parallel-load", daemon=True)
+            self._thread.start()
+
+    def _items(self):
+        ranks = list(range(len(self.wrapper.devices)))
+        while (plan := self.planner.plan_round(ranks)) is not None:
+            counted = self.planner.complete_round(plan, plan.contributors)
+            yield {"plan": plan, "counted": counted, "progress": self.planner.progress(),
+                   "trained_total": self.planner.trained_total, "epoch_after": self.planner.epoch,
+                   **self._load(plan, ranks)}
+
+    def _load(self, plan, ranks):
+        net, devices = self.wrapper.network, self.wrapper.devices
+        loaded = {}
+        for r in ranks:
+            loaded[r] = []
+            for i in plan.assignment.get(r) or ():
+                ds = load_ref(self.refs[i], self.loader, self.options)
+                net.check_batch(ds)
+                loaded[r].append((len(ds), ds.jit_batch()))
+        counts = {len(v) for v in loaded.values()}
+        examples = sum(n for v in loaded.values() for n, _ in v)
+        batches = [b for v in loaded.values() for _, b in v]
+        if len(counts) == 1 and 0 not in counts and _one_shape(batches):
+            # one host array [replica, step, ...] per leaf, each replica's part copied to its device
+            stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs).reshape((len(ranks), -1) + np.shape(xs[0])),
+                                             *batches)
+            return {"regular": True, "examples": examples,
+                    "batches": jax.device_put(stacked, NamedSharding(self.wrapper.mesh, P(AXIS)))}
+        return {"regular": False, "examples": examples,
+                "batches": {r: [jax.device_put(b, devices[r]) for _, b in loaded[r]] for r in ranks}}
+
+    def _produce(self):
+        try:
+            for item in self._items():
+                if not self._put(item):
+                    return
+            self._put(None)
+        except BaseException as e:  # the fit raises it where it waits for the round
+            self._put(e)
+
+    def _put(self, x) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(x, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __iter__(self):
+        if self._queue is None:
+            yield from self._items()
+            return
+        while True:
+            t0 = time.perf_counter()
+            item = self._queue.get()
+            self.wait += time.perf_counter() - t0
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return
+            yield item
+
+    def close(self):
+        self._stop.set()
+        if self._queue is not None:
+            self._thread.join()
+
+
+# -- the compiled round ----------------------------------------------------------------
+def _first(tree):
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+def _lead(tree):
+    return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+
+def _mean_over_devices(state, contributes, n):
+    """The mean of the contributing replicas' floating leaves, as ``average_leaves`` computes it:
+    in at least fp32, a sum then one divide (``n`` an argument: XLA would turn a division by a
+    constant into a multiplication). With two devices the sum has one order, so it is the
+    cluster's mean bit for bit. Integer leaves (step counts, RNG keys) stay each replica's own."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
+    wide = [leaves[i].astype(jnp.promote_types(leaves[i].dtype, jnp.float32)) for i in floats]
+    sums = jax.lax.psum([jnp.where(contributes, x, jnp.zeros_like(x)) for x in wide], AXIS)
+    for i, s in zip(floats, sums):
+        leaves[i] = (s / n.astype(s.dtype)).astype(leaves[i].dtype)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _round_function(net, master, mesh, fit: bool):
+    """The compiled round: with ``fit``, every replica runs its stacked minibatches
+    (``Network.steps.train_steps``, one ``lax.scan``), then the replicas average and take
+    the outer step; without, the replicas (already fitted) only average."""
+    steps, updater, tx = net.steps, net.updater, master.outer_updater
+
+    def local(state, outer, batches, start, epoch, contributes, n):
+        # one device's view: every replicated argument has a leading axis of length 1
+        st, ost = _first(state), _first(outer)
+        losses = oks = jnp.zeros((0,))
+        if fit:
+            start = st.params
+            if not master.save_updater:
+                st = st.replace(opt_state=updater.init(st.params))
+            st = st.replace(epoch=epoch)
+            st, (losses, oks) = steps.train_steps(st, _first(batches))
+        else:
+            start = _first(start)
+        st = _mean_over_devices(st, contributes[0], n)
+        if tx is not None:
+            params, ost = outer_step(tx, start, st.params, ost)
+            st = st.replace(params=params)
+        return _lead(st), _lead(ost), losses[None], oks[None]
+
+    spec = P(AXIS)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, spec, P(), spec, P()),
+                       out_specs=(spec, spec, spec, spec), check_vma=False)
+    # an averaging-only call's state shares buffers with its round-start parameters: no donation
+    return jax.jit(fn, donate_argnums=(0, 1) if fit else ())
+
+
+def _by_device(x) -> dict:
+    return {s.device: s.data for s in x.addressable_shards}
+
+
+def _equivalent_bytes(full: int, floats: int, n: int, receivers: int) -> int:
+    """What a cluster's replicas would have received for this round's mean (its ``bytes_received``):
+    with two contributors every replica fetches the others' states, with three or more each
+    contributor reduces a share of the floats and every replica gathers the shares."""
+    if n <= 2:
+        return n * (receivers - 1) * full
+    return 2 * (n - 1) * floats + (receivers - n) * floats
+
+
+# -- the wrapper -----------------------------------------------------------------------
+class ParallelWrapper:
+    """Train a :class:`~dlspark.Network` data-parallel over the devices of this process.
+
+    The same rounds, results and checkpoints as a :class:`~dlspark.DistributedTrainer` with
+    one worker per device, without a cluster: for one machine with several GPUs or cores.
+
+    Parameters
+    ----------
+    network : Network
+        The network to train; after ``fit`` it holds the trained state.
+    master : ParameterAveraging
+        The algorithm and its settings (``batch_size_per_worker`` is per device;
+        ``worker_prefetch_num_batches`` minibatches per device are loaded ahead, on a
+        thread, and placed on their devices there). A round always runs as one
+        compiled call, whatever ``fused_steps`` says; ``training_approach`` and
+        ``export_directory`` do not apply (nothing is exported).
+    devices : None, int or list of jax.Device
+        Default: every local device of the default backend. On CPU, JAX's
+        ``jax_num_cpu_devices`` setting makes one device per core if JAX starts
+        here; set it yourself right after ``import jax`` otherwise.
+    progress : bool
+        Show a progress bar during fit.
+    eval_batch_size : int
+        Examples per forward pass for evaluation and scoring.
+
+    Attributes
+    ----------
+    loss_history : list of (round, epoch, mean loss)
+    last_fit_stats, training_stats : list of dict
+        Round statistics, as the cluster's (``round_time``, ``fit_time_max``: the
+        compiled call, fit and mean; ``data_wait``: waiting for the loader;
+        ``bytes_equivalent``: what a cluster's replicas would have received).
+    algorithm_state : dict
+        What the master carries from fit to fit (the outer optimizer's ``outer_state``).
+
+    Examples
+    --------
+    >>> wrapper = ParallelWrapper(net, ParameterAveraging(averaging_frequency=5))  # doctest: +SKIP
+    >>> wrapper.fit(train, epochs=3).output(x)  # doctest: +SKIP
+    """
+
+    def __init__(self, network: Network, master=None, devices=None, *, progress: bool = True,
+                 eval_batch_size: int = 64):
+        if not isinstance(network, Network):
+            raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__}")
+        if master is None:
+            master = ParameterAveraging()
+        if not isinstance(master, ParameterAveraging):
+            what = type(master).__name__
+            if isinstance(master, Algorithm):
+                raise NotImplementedError(f"ParallelWrapper runs ParameterAveraging; {what} runs on a "
+                                          "DistributedTrainer (for now)")
+            raise TypeError(f"master must be a dlspark.ParameterAveraging(...), got {what}")
+        positive_int("eval_batch_size", eval_batch_size)
+        self.network, self.master, self.progress, self.eval_batch_size = network, master, progress, eval_batch_size
+        self.devices = resolve_devices(devices)
+        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.loss_history: list = []
+        self.training_stats: list = []
+        self.last_fit_stats: list = []
+        self.algorithm_state: dict = {}
+        self.published: dict = {}
+        self._functions: dict = {}
+        self._masks: dict = {}  # contributors -> which devices contribute, on the devices
+
+    def __getattr__(self, name):
+        values = self.__dict__.get("algorithm_state", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self):
+        return f"ParallelWrapper({len(self.devices)} x {self.devices[0].platform}, {self.master!r})"
+
+    # -- training --------------------------------------------------------------------
+    def fit(self, data, epochs: int = 1, *, checkpoint_every: int | None = None, checkpoint_url: str | None = None,
+            resume_from: str | None = None, callbacks=(), progress: bool | None = None) -> Network:
+        """Train on ``data``: a DataSet, a ``(features, labels)`` pair, a list of DataSets,
+        minibatch file URLs, a pair of dask arrays or a dask bag of DataSets.
+
+        Parameters
+        ----------
+        epochs : int
+        checkpoint_every : int, optional
+            Write a checkpoint to ``checkpoint_url`` every this many rounds (the
+            cluster's format: either trainer resumes from it).
+        resume_from : str, optional
+            A checkpoint written by a fit (of either trainer) with the same data and ``epochs``.
+        callbacks : sequence of callables
+            Each is called with every round's statistics (a dict).
+
+        Returns
+        -------
+        Network
+            ``self.network``, trained.
+        """
+        self._check(epochs, checkpoint_every, checkpoint_url)
+        refs, partitions = _minibatches(data, self.master.batch_size_per_worker)
+        return self._run(refs, partitions, epochs, None, None, checkpoint_every, checkpoint_url, resume_from,
+                         callbacks, progress)
+
+    def fit_paths(self, paths, epochs: int = 1, loader=None, *, storage_options: dict | None = None,
+                  checkpoint_every: int | None = None, checkpoint_url: str | None = None,
+                  resume_from: str | None = None, callbacks=(), progress: bool | None = None) -> Network:
+        """Train from minibatch files: a glob, a directory URL or a list of URLs (any fsspec file
+        system, ``memory://`` included: this process reads them); ``loader`` is ``url -> DataSet``
+        for files in another format."""
+        self._check(epochs, checkpoint_every, checkpoint_url)
+        if loader is not None and not callable(loader):
+            raise TypeError(f"loader must be a callable url -> DataSet, got {type(loader).__name__}")
+        refs = list_minibatches(paths, **(storage_options or {}))
+        return self._run(refs, [0] * len(refs), epochs, loader, storage_options, checkpoint_every, checkpoint_url,
+                         resume_from, callbacks, progress)
+
+    @staticmethod
+    def _check(epochs, checkpoint_every, checkpoint_url):
+        positive_int("epochs", epochs)
+        if checkpoint_every is not None:
+            positive_int("checkpoint_every", checkpoint_every)
+            if not checkpoint_url:
+                raise ValueError("checkpoint_every needs checkpoint_url, e.g. "
+                                 "fit(data, checkpoint_every=10, checkpoint_url='file:///tmp/ck.dls')")
+
+    def _function(self, fit: bool):
+        if fit not in self._functions:
+            self._functions[fit] = _round_function(self.network, self.master, self.mesh, fit)
+        return self._functions[fit]
+
+    def _replicate(self, state, saved_rngs):
+        """The state on every device; each replica's RNG as the cluster's worker of that rank
+        derives it (a checkpoint's saved stream for its position, else a fold of rank 0's)."""
+        host = jax.tree_util.tree_map(np.asarray, state)
+        rngs = []
+        for r in range(len(self.devices)):
+            if saved_rngs and r < len(saved_rngs):
+                rngs.append(np.asarray(saved_rngs[r], dtype=host.rng.dtype))
+            else:
+                rngs.append(np.asarray(jax.random.fold_in(state.rng, r)) if r else host.rng)
+        stacked = jax.tree_util.tree_map(lambda x: np.stack([x] * len(self.devices)), host.replace(rng=None))
+        stacked = stacked.replace(rng=np.stack(rngs))
+        tx = self.master.outer_updater
+        carried = self.algorithm_state.get("outer_state")
+        outer = () if tx is None else jax.tree_util.tree_map(
+            lambda x: np.stack([np.asarray(x)] * len(self.devices)), tx.init(state.params) if carried is None else carried)
+        sharding = NamedSharding(self.mesh, P(AXIS))
+        return jax.device_put(stacked, sharding), jax.device_put(outer, sharding)
+
+    def _replica(self, tree, r=0):
+        """Replica ``r`` of a stacked tree, on the host."""
+        return jax.tree_util.tree_map(lambda x: np.asarray(_by_device(x)[self.devices[r]])[0], tree)
+
+    def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
+             resume_from, callbacks, progress):
+        net, master = self.network, self.master
+        skip, saved_rngs, epochs_done, epochs_total = (), None, 0, epochs
+        if resume_from is not None:  # the cluster's resume: the same checks, meta and state
+            epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(self, resume_from, epochs)
+            if epochs <= 0:
+                return net
+        base_step, base_epoch = net.iteration, net.epoch
+        state, outer = self._replicate(net.state, saved_rngs)
+        k = master.averaging_frequency
+        depth = master.worker_prefetch_num_batches and max(master.worker_prefetch_num_batches, k)
+        rounds = _Rounds(self, refs, partitions, epochs, skip, loader, storage_options, math.ceil(depth / k))
+        bar = _progress_bar(self.progress if progress is None else progress, epochs * len(refs) - len(skip))
+        leaves = jax.tree_util.tree_leaves(net.state)
+        sizes = (sum(x.nbytes for x in leaves), sum(x.nbytes for x in leaves if is_averaged(x)))
+        stats, pending, last = [], None, [time.perf_counter(), 0.0]
+
+        def settle(p):
+            """Read a round's losses back (one host sync) and account for it."""
+            item, losses, oks, t_call = p
+            rows = zip(*(np.asarray(a) if hasattr(a, "shape") else a for a in (losses, oks)))  # [replica][step]
+            flat = [(float(x), bool(ok)) for row_l, row_o in rows for x, ok in zip(row_l, row_o)]
+            done_before = stats[-1]["trained_total"] if stats else 0
+            for j, (x, ok) in enumerate(flat):
+                if not ok:  # "raise": the network keeps its state from before the fit, as with the cluster
+                    net.nonfinite(base_step + done_before + j, x)
+            stat = self._round_stats(item, [x for x, ok in flat if ok], time.perf_counter() - last[0],
+                                     time.perf_counter() - t_call, rounds.wait - last[1], sizes)
+            last[:] = [time.perf_counter(), rounds.wait]
+            stats.append(stat)
+            if bar is not None:
+                bar.update(stat["minibatches"])
+                if stat["loss"] is not None:
+                    bar.set_postfix(loss=f"{stat['loss']:.4g}",
+                                    ex_s=f"{stat['examples'] / max(stat['round_time'], 1e-9):.0f}", refresh=False)
+            for cb in callbacks:
+                cb(stat)
+
+        try:
+            for item in rounds:
+                if pending is not None and not item["regular"]:  # this one blocks: settle the last first
+                    settle(pending)
+                    pending = None
+                plan, t_call = item["plan"], time.perf_counter()
+                state, outer, losses, oks = self._round(state, outer, item, base_epoch + plan.epoch)
+                # The next round is queued on the devices before this one's losses are read back.
+                if pending is not None:
+                    settle(pending)
+                pending = (item, losses, oks, t_call)
+                if checkpoint_every and plan.round % checkpoint_every == 0:
+                    settle(pending)
+                    pending = None
+                    prog = dict(item["progress"], epoch=epochs_done + item["progress"]["epoch"],
+                                epochs_total=epochs_total)
+                    self._checkpoint(checkpoint_url, state, outer, base_step + item["trained_total"],
+                                     base_epoch + item["epoch_after"], prog)
+            if pending is not None:
+                settle(pending)
+        finally:
+            rounds.close()
+            if bar is not None:
+                bar.close()
+        trained = stats[-1]["trained_total"] if stats else 0
+        net.state = jax.tree_util.tree_map(jnp.asarray, self._replica(state).replace(
+            step=np.int32(base_step + trained), epoch=np.int32(base_epoch + epochs)))
+        carried = None if master.outer_updater is None else self._replica(outer)
+        self.algorithm_state = master.after_fit(self.algorithm_state, None, carried, self.published)
+        self.loss_history.extend((s["round"], base_epoch + s["epoch"], s["loss"]) for s in stats)
+        if master.collect_training_stats:
+            self.training_stats.extend(stats)
+        self.last_fit_stats = stats
+        return net
+
+    def _round(self, state, outer, item, epoch):
+        """Dispatch one round; returns ``(state, outer state, losses, applied)``, still on the devices."""
+        contributors = tuple(item["plan"].contributors)
+        if contributors not in self._masks:
+            mask = np.array([r in contributors for r in range(len(self.devices))])
+            self._masks[contributors] = jax.device_put(mask, NamedSharding(self.mesh, P(AXIS)))
+        args = (np.int32(epoch), self._masks[contributors], np.float32(len(contributors)))
+        if item["regular"]:
+            return self._function(True)(state, outer, item["batches"], (), *args)
+        return self._irregular(state, outer, item["batches"], *args)
+
+    def _round_stats(self, item, losses, round_time, call_time, wait, sizes):
+        """A round's statistics, shaped as the cluster's where they apply."""
+        plan, n = item["plan"], len(item["plan"].contributors)
+        return {"event": "round", "round": plan.round, "epoch": plan.epoch, "minibatches": item["counted"],
+                "examples": item["examples"], "loss": (sum(losses) / len(losses)) if losses else None,
+                "workers": n, "round_time": round_time, "fit_time_max": call_time,
+                "worker_fit_time": {r: call_time for r in plan.contributors}, "data_wait": wait,
+                "trained_total": item["trained_total"], "attempts": 0, "avg_time": 0.0, "fetch_time": 0.0,
+                "bytes_received": 0, "bytes_equivalent": _equivalent_bytes(*sizes, n, len(self.devices))}
+
+    def _irregular(self, state, outer, batches, epoch, mask, n):
+        """A round whose replicas fit different numbers or shapes of minibatches (an epoch's last):
+        each replica steps on its own device, as a cluster worker does, then one compiled call
+        averages."""
+        net, master = self.network, self.master
+        steps = net.steps
+        parts, losses, oks = [], [], []
+        for r, dev in enumerate(self.devices):
+            mine = jax.tree_util.tree_map(lambda x: _by_device(x)[dev], state)
+            own = batches[r]
+            if not own:
+                parts.append(mine)
+                losses.append([]), oks.append([])
+                continue
+            st = _first(mine)  # a copy: the step donates it, the round-start parameters stay
+            if not master.save_updater:
+                st = st.replace(opt_state=net.updater.init(st.params))
+            st = st.replace(epoch=jax.device_put(epoch, dev))  # a host scalar: the step donates this copy
+            # one step at a time: one compilation per device and shape serves every such round
+            ls, ks = [], []
+            for b in own:
+                st, x, ok = steps.train_step(st, b)
+                ls.append(x), ks.append(ok)
+            parts.append(_lead(st))
+            losses.append(ls), oks.append(ks)  # read back later: the next device starts meanwhile
+        sharding = NamedSharding(self.mesh, P(AXIS))
+        fitted = jax.tree_util.tree_map(
+            lambda *xs: jax.make_array_from_single_device_arrays((len(xs),) + xs[0].shape[1:], sharding, list(xs)),
+            *parts)
+        state, outer, _, _ = self._function(False)(fitted, outer, (), state.params, epoch, mask, n)
+        return state, outer, losses, oks
+
+    def _checkpoint(self, url, state, outer, step, epoch, progress):
+        """Write what the cluster's first worker writes: rank 0's state, every replica's RNG."""
+        net = self.network
+        st = self._replica(state).replace(step=np.int32(step), epoch=np.int32(epoch))
+        rngs = [np.asarray(x).tolist() for x in np.asarray(state.rng)]
+        extra = {"iteration": step, "epoch": epoch, "seed": net.seed, "fit_progress": progress, "worker_rngs": rngs}
+        aux = None if self.master.outer_updater is None else self._replica(outer)
+        write_bytes(url, state_to_bytes(st, extra, net.definition(), aux=aux))
+
+    # -- evaluation, inference, scoring (in this process, on the network's device) --------
+    def _refs(self, data, batch_size, storage_options):
+        if isinstance(data, str) or (isinstance(data, (list, tuple)) and data and all(isinstance(u, str) for u in data)):
+            return list_minibatches(data, **(storage_options or {}))
+        return _minibatches(data, batch_size)[0]
+
+    def do_evaluation(self, data, batch_size: int | None = None, *evaluations, loader=None,
+                      storage_options: dict | None = None):
+        """Fill several evaluations in one pass over ``data`` (what ``fit`` or ``fit_paths`` take)."""
+        _check_evaluations(evaluations)
+        bs = batch_size or self.eval_batch_size
+        for ref in self._refs(data, bs, storage_options):
+            for b in _batches(load_ref(ref, loader, storage_options), bs):
+                _, labels, fmask, lmask = b.jit_batch()
+                out = self.network.output(b.features, features_mask=fmask)
+                if isinstance(out, tuple):  # multi-output networks are evaluated on their first output
+                    out, labels, lmask = out[0], labels[0], lmask[0]
+                for e in evaluations:
+                    e.update(labels, out, lmask)
+        return list(evaluations)
+
+    def evaluate(self, data, batch_size: int | None = None, **kw):
+        """Classification :class:`~dlspark.evaluation.Evaluation` over ``data``."""
+        from .evaluation import Evaluation
+
+        return self.do_evaluation(data, batch_size, Evaluation(), **kw)[0]
+
+    def evaluate_roc(self, data, threshold_steps: int = 0, batch_size: int | None = None, **kw):
+        """Binary :class:`~dlspark.evaluation.ROC` over ``data``."""
+        from .evaluation import ROC
+
+        return self.do_evaluation(data, batch_size, ROC(threshold_steps), **kw)[0]
+
+    def evaluate_roc_multiclass(self, data, threshold_steps: int = 0, batch_size: int | None = None, **kw):
+        """One-vs-all :class:`~dlspark.evaluation.ROCMultiClass` over ``data``."""
+        from .evaluation import ROCMultiClass
+
+        return self.do_evaluation(data, batch_size, ROCMultiClass(threshold_steps), **kw)[0]
+
+    def evaluate_regression(self, data, batch_size: int | None = None, **kw):
+        """:class:`~dlspark.evaluation.RegressionEvaluation` over ``data``."""
+        from .evaluation import RegressionEvaluation
+
+        return self.do_evaluation(data, batch_size, RegressionEvaluation(), **kw)[0]
+
+    def predict_with_keys(self, keyed_features, batch_size: int = 64, features_mask=None):
+        """Keyed inference: a dict, a list of ``(key, array)`` pairs or a dask bag of pairs in,
+        the same kind of keyed outputs out. ``features_mask`` maps keys to per-example masks."""
+        keyed = keyed_items(keyed_features)
+        if keyed is None:
+            raise TypeError("keyed features must be a dict, a list of (key, array) pairs or a dask bag, "
+                            f"got {type(keyed_features).__name__}")
+        kind, items = keyed
+        if kind == "bag":
+            import dask.bag as db
+
+            out = self.predict_with_keys(list(items.compute()), batch_size)
+            return db.from_sequence(out, npartitions=max(1, items.npartitions))
+        if not items:
+            return {} if kind == "dict" else []
+        mask = None if features_mask is None else np.stack([np.asarray(features_mask[k]) for k, _ in items])
+        out = self.network.output(stack_examples([f for _, f in items]), batch_size=batch_size, features_mask=mask)
+        pairs = unstack_outputs([k for k, _ in items], out)
+        return dict(pairs) if kind == "dict" else pairs
+
+    def score_examples(self, data, include_regularization: bool = False, batch_size: int | None = None):
+        """Per-example loss: a DataSet gives an array in example order; keyed examples (a dict
+        or list of ``(key, DataSet)``) give the same kind, keyed."""
+        bs = batch_size or self.eval_batch_size
+        keyed = keyed_items(data, of="examples")
+        if keyed is None:
+            return self.network.score_examples(in_memory_examples(data), bs)
+        kind, items = keyed
+        if not items:
+            return {} if kind == "dict" else []
+        parts = [as_dataset(d, f"the examples of key {k!r}") for k, d in items]
+        losses = self.network.score_examples(type(parts[0]).merge(parts), bs)
+        bounds = np.cumsum([0] + [len(d) for d in parts])
+        vals = [losses[a:b] if b - a > 1 else float(losses[a]) for a, b in zip(bounds[:-1], bounds[1:])]
+        pairs = list(zip([k for k, _ in items], vals))
+        return dict(pairs) if kind == "dict" else pairs
+
+    def calculate_score(self, data, average: bool = True, batch_size: int | None = None) -> float:
+        """Total (or, with ``average``, mean per example) loss over ``data``."""
+        losses = self.score_examples(data, batch_size=batch_size)
+        return float(losses.mean() if average else losses.sum())

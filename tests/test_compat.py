@@ -1,0 +1,419 @@
+"""dlspark.compat: DL4J-on-Spark's API with real pyspark (local[2]) and a real Dask LocalCluster.
+
+The SparkContext runs with ``spark.driver.maxResultSize=1m``; every data set
+these tests train, evaluate or infer on is larger, and each test that moves
+one shows that collecting it to the driver fails. Nothing is mocked.
+"""
+
+import io
+import os
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import numpy as np
+import optax
+import pytest
+from conftest import MLP
+
+import dlspark
+from dlspark import DataSet, DistributedTrainer
+from dlspark.compat import (AdaptiveThresholdAlgorithm, Evaluation, EvaluationCalibration, FixedThresholdAlgorithm,
+                            MeshBuildMode, ModelSerializer, NoOpResidualPostProcessor,
+                            ParameterAveragingTrainingMaster, RDDTrainingApproach, Repartition, RepartitionStrategy,
+                            ResidualClippingPostProcessor, ROCMultiClass, SharedTrainingMaster, SparkComputationGraph,
+                            SparkDl4jMultiLayer, SparkUtils, TargetSparsityThresholdAlgorithm, VoidConfiguration)
+from dlspark.errors import CorruptMinibatchError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N_KEYED = 10_000
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sc():
+    """One SparkContext for the module: local[2], a 1 MiB cap on what reaches the driver."""
+    pytest.importorskip("pyspark")
+    from pyspark import SparkConf, SparkContext
+
+    before = os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python: this one, with dlspark installed
+    conf = (SparkConf().setMaster("local[2]").setAppName("dlspark-compat-tests")
+            .set("spark.driver.maxResultSize", "1m")
+            .set("spark.ui.enabled", "false")
+            # the executors unpickle the tests' model class (conftest.MLP) and helpers
+            .set("spark.executorEnv.PYTHONPATH", str(ROOT / "tests")))
+    context = SparkContext.getOrCreate(conf)
+    context.setLogLevel("ERROR")
+    yield context
+    context.stop()
+    if before is None:
+        os.environ.pop("PYSPARK_PYTHON", None)
+    else:
+        os.environ["PYSPARK_PYTHON"] = before
+
+
+@pytest.fixture(scope="module")
+def cluster(client2):
+    """The module's 2-worker LocalCluster, the one dlspark.compat trains on."""
+    dlspark.compat.configure(client=client2)
+    yield client2
+    dlspark.compat.configure(client=None)
+
+
+def upscaled(ds):
+    """Digits at 16x16 (each pixel doubled each way): 256 features, so that the training set
+    (1.4 MiB) is over the driver's 1 MiB cap."""
+    x = np.kron(np.asarray(ds.features).reshape(-1, 8, 8), np.ones((2, 2), np.float32)).reshape(-1, 256)
+    return DataSet(x.astype(np.float32), ds.labels)
+
+
+def digits_shard(split, n_parts, per_dataset, index, _):
+    """Runs on an executor: a share of the (upscaled) digits as DataSets of ``per_dataset`` examples."""
+    train, test = dlspark.datasets.digits()
+    return upscaled((train if split == "train" else test)[index::n_parts]).batches(per_dataset)
+
+
+def digits_rdd(sc, split, per_dataset, n_parts=4):
+    from functools import partial
+
+    return sc.parallelize(range(n_parts), n_parts).mapPartitionsWithIndex(
+        partial(digits_shard, split, n_parts, per_dataset))
+
+
+def new_net(seed=0, lr=3e-3):
+    x = np.zeros((1, 256), np.float32)
+    return dlspark.Network(dlspark.Model.from_flax(MLP(hidden=64), x), loss="mcxent",
+                           updater=optax.adam(lr), seed=seed)
+
+
+def local_digits():
+    train, test = dlspark.datasets.digits()
+    return upscaled(train), upscaled(test)
+
+
+def too_big_for_the_driver(rdd):
+    """True if collecting ``rdd`` to the driver is refused by spark.driver.maxResultSize."""
+    try:
+        rdd.collect()
+    except Exception as e:  # py4j's error, holding Spark's message
+        return "maxResultSize" in str(e)
+    return False
+
+
+# -- without a cluster --------------------------------------------------------------------------
+def test_importing_compat_imports_no_pyspark(tmp_path):
+    code = ("import sys, dlspark, dlspark.compat, dlspark.data; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'py4j')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_builders_take_dl4j_names_and_defaults():
+    pa = ParameterAveragingTrainingMaster.Builder(8).build()
+    a = pa.algorithm
+    assert (a.batch_size_per_worker, a.averaging_frequency, a.worker_prefetch_num_batches,
+            a.save_updater) == (16, 5, 2, True)
+    assert (a.training_approach, a.repartition, a.repartition_strategy, a.collect_training_stats) == (
+        "export", "always", "balanced", False)
+    assert pa.rdd_data_set_num_examples == 8 and pa.rdd_training_approach is RDDTrainingApproach.Export
+    pa = (ParameterAveragingTrainingMaster.Builder(None, 4).batchSizePerWorker(32).averagingFrequency(3)
+          .workerPrefetchNumBatches(0).saveUpdater(False).rddTrainingApproach(RDDTrainingApproach.Direct)
+          .exportDirectory("/tmp/x").repartionData(Repartition.NumPartitionsWorkersDiffers)
+          .repartitionStrategy(RepartitionStrategy.SparkDefault).storageLevel("MEMORY_AND_DISK_SER")
+          .storageLevelStreams(None).collectTrainingStats(True).rngSeed(12345).build())
+    a = pa.algorithm
+    assert (a.batch_size_per_worker, a.averaging_frequency, a.worker_prefetch_num_batches, a.save_updater,
+            a.training_approach, a.export_directory, a.repartition, a.repartition_strategy,
+            a.collect_training_stats) == (32, 3, 0, False, "direct", "/tmp/x", "num_partitions_workers_differs",
+                                          "spark_default", True)
+    assert pa.rng_seed == 12345 and pa.settings["storageLevel"] == "MEMORY_AND_DISK_SER"
+    # snake_case aliases build the same master
+    assert ParameterAveragingTrainingMaster.Builder(4).batch_size_per_worker(32).averaging_frequency(3) \
+        .build().algorithm == ParameterAveragingTrainingMaster.Builder(4).batchSizePerWorker(32) \
+        .averagingFrequency(3).build().algorithm
+
+    # gradient sharing: DL4J's defaults, written out (not the core's)
+    sh = SharedTrainingMaster.Builder(VoidConfiguration.builder().build(), 32).build().algorithm
+    assert sh.threshold_algorithm == AdaptiveThresholdAlgorithm(1e-3, 1e-4, 1e-2, 0.5 ** (1 / 20))
+    assert sh.threshold_algorithm.initial == 1e-3
+    assert sh.residual_post_processor == ResidualClippingPostProcessor(5.0, 5)
+    assert (sh.batch_size_per_worker, sh.worker_prefetch_num_batches, sh.mesh, sh.workers_per_node,
+            sh.encoding_debug) == (32, 2, "plain", None, False)
+    assert TargetSparsityThresholdAlgorithm() == TargetSparsityThresholdAlgorithm(1e-4, 1e-3, 0.5 ** (1 / 20))
+    tm = (SharedTrainingMaster.Builder(16).batchSizePerWorker(8).updatesThreshold(1e-2).workersPerNode(0)
+          .residualPostProcessor(NoOpResidualPostProcessor()).encodingDebugMode(True)
+          .workerTogglePeriodicGC(False).workerPeriodicGCFrequency(1000).build())
+    assert tm.algorithm.threshold_algorithm == AdaptiveThresholdAlgorithm(1e-2)
+    assert tm.algorithm.encoding_debug and tm.algorithm.workers_per_node is None
+    assert tm.settings["workerTogglePeriodicGC"] is False
+    tm = SharedTrainingMaster.Builder(16).thresholdAlgorithm(FixedThresholdAlgorithm(5e-3)).build()
+    assert tm.algorithm.threshold_algorithm.initial == 5e-3
+
+    # VoidConfiguration: no controller is fine; the mesh mode maps to the relay tree
+    void = (VoidConfiguration.builder().unicastPort(40123).networkMask("10.0.0.0/16")
+            .meshBuildMode(MeshBuildMode.MESH).build())
+    assert void.controllerAddress is None and void.unicastPort == 40123
+    assert SharedTrainingMaster.Builder(void, 16).build().algorithm.mesh == "tree"
+    assert SharedTrainingMaster.Builder(void).meshBuildMode(MeshBuildMode.PLAIN).build().algorithm.mesh == "plain"
+
+
+def test_bad_builder_calls_name_what_is_allowed():
+    with pytest.raises(AttributeError, match="no method 'averagingFrequncy'; closest known: averagingFrequency"):
+        ParameterAveragingTrainingMaster.Builder(8).averagingFrequncy(5)
+    with pytest.raises(AttributeError, match="SharedTrainingMaster.Builder has no method 'thresholdAlgo'.*"
+                                             "thresholdAlgorithm"):
+        SharedTrainingMaster.Builder(8).thresholdAlgo(FixedThresholdAlgorithm(1e-3))
+    with pytest.raises(AttributeError, match="no method 'unicast'; closest known: unicastPort"):
+        VoidConfiguration.builder().unicast(1)
+    with pytest.raises(ValueError, match="rddTrainingApproach must be one of RDDTrainingApproach.Export, "
+                                         "RDDTrainingApproach.Direct, got 'Bulk'"):
+        ParameterAveragingTrainingMaster.Builder(8).rddTrainingApproach("Bulk")
+    with pytest.raises(ValueError, match="averagingFrequency must be an integer >= 1, got 0"):
+        ParameterAveragingTrainingMaster.Builder(8).averagingFrequency(0)
+    with pytest.raises(TypeError, match="thresholdAlgorithm takes AdaptiveThresholdAlgorithm"):
+        SharedTrainingMaster.Builder(8).thresholdAlgorithm(1e-3)
+    with pytest.raises(TypeError, match=r"Builder\(rddDataSetNumExamples\)"):
+        ParameterAveragingTrainingMaster.Builder()
+    with pytest.raises(ValueError, match="storageLevel must be a pyspark StorageLevel"):
+        ParameterAveragingTrainingMaster.Builder(8).storageLevel("FAST")
+
+
+def test_evaluations_serializers_and_text_files(tmp_path, digits):
+    tr, te = digits
+    net = dlspark.Network(dlspark.Model.from_flax(MLP(hidden=16), tr.features[:1]), updater=optax.adam(1e-2))
+    net.fit(tr, epochs=1, batch_size=64)
+    ev = Evaluation(labels=[str(i) for i in range(10)])
+    ev.update(te.labels, net.output(te.features))
+    SparkUtils.writeStringToFile(str(tmp_path / "eval.json"), ev.toJson(), None)
+    back = Evaluation.fromJson(SparkUtils.readStringFromFile(str(tmp_path / "eval.json"), None))
+    assert type(back) is Evaluation and back == ev and back.accuracy() == ev.accuracy()
+    assert back.getConfusionMatrix().sum() == len(te) and back.topNAccuracy() == ev.top_n_accuracy()
+    assert isinstance(dlspark.evaluation.from_json(ev.toJson()), dlspark.evaluation.Evaluation)
+    with pytest.raises(AttributeError, match="closest known: .*accuracy"):
+        back.acuracy()
+    # ModelSerializer: to a path and through a stream, with and without the updater state
+    ModelSerializer.writeModel(net, str(tmp_path / "net.dls"), True)
+    same = ModelSerializer.restoreMultiLayerNetwork(str(tmp_path / "net.dls"))
+    assert np.array_equal(same.output(te.features), net.output(te.features))
+    buf = io.BytesIO()
+    ModelSerializer.writeModel(net, buf, False)
+    graph = ModelSerializer.restoreComputationGraph(io.BytesIO(buf.getvalue()))
+    assert np.array_equal(graph.output(te.features), net.output(te.features))
+    import jax
+
+    assert all(float(np.abs(np.asarray(m)).sum()) == 0.0 for m in jax.tree_util.tree_leaves(graph.state.opt_state)
+               if np.asarray(m).dtype.kind == "f")
+
+
+# -- on Spark and Dask -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_gradient_sharing_minimal_example(sc, cluster):
+    # intro.md's "Gradient Sharing (Preferred Implementation)", line by line
+    trainingData = digits_rdd(sc, "train", 16)
+    model = new_net()
+    batchSizePerWorker, numWorkersPerNode, numEpochs = 16, 1, 10
+
+    conf = (VoidConfiguration.builder()
+            .unicastPort(40123)               # recorded: Dask chooses its own ports
+            .networkMask("10.0.0.0/16")
+            .controllerAddress("10.0.2.4")
+            .build())
+    trainingMaster = (SharedTrainingMaster.Builder(conf)
+                      .batchSizePerWorker(batchSizePerWorker)
+                      .updatesThreshold(1e-3)
+                      .workersPerNode(numWorkersPerNode)
+                      .meshBuildMode(MeshBuildMode.MESH)
+                      .build())
+    sparkNet = SparkDl4jMultiLayer(sc, model, trainingMaster)
+    for i in range(numEpochs):
+        sparkNet.fit(trainingData)
+
+    assert trainingMaster.algorithm.mesh == "tree"
+    accuracy = sparkNet.evaluate(digits_rdd(sc, "test", 16)).accuracy()
+    assert accuracy >= 0.95, accuracy
+    assert sparkNet.getNetwork() is model and model.iteration > 0
+    assert too_big_for_the_driver(trainingData)
+    sparkNet.deleteTempFiles()
+
+
+@pytest.mark.slow
+def test_parameter_averaging_minimal_example(sc, cluster):
+    # intro.md's "Parameter Averaging Implementation", line by line: one example per DataSet object
+    trainingData = digits_rdd(sc, "train", 1)
+    model = new_net()
+    numEpochs = 10
+
+    examplesPerDataSetObject = 1
+    trainingMaster = (ParameterAveragingTrainingMaster.Builder(examplesPerDataSetObject)
+                      .batchSizePerWorker(16).averagingFrequency(2)
+                      .build())
+    sparkNet = SparkDl4jMultiLayer(sc, model, trainingMaster)
+    sparkNet.setCollectTrainingStats(True)
+    for i in range(numEpochs):
+        sparkNet.fit(trainingData)
+
+    # the executors rebatched each partition's one-example DataSets into minibatches of 16
+    per_epoch = sum(-(-len(range(p, 1437, 4)) // 16) for p in range(4))
+    assert model.iteration == numEpochs * per_epoch
+    evaluation = sparkNet.evaluate(digits_rdd(sc, "test", 7))
+    assert evaluation.accuracy() >= 0.95, evaluation.stats()
+    stats = sparkNet.getSparkTrainingStats()
+    assert len(stats) > 0 and "loss" in stats.getKeySet() and "rounds" in stats.statsAsString()
+    assert np.isfinite(sparkNet.getScore())
+    assert too_big_for_the_driver(trainingData)
+    sparkNet.deleteTempFiles()
+
+
+def write_shard(directory, n_parts, index, _):
+    """Runs on an executor: write this partition's share of the digits as minibatch files."""
+    train, _test = dlspark.datasets.digits()
+    part = upscaled(train[index::n_parts])
+    yield from dlspark.data.save_minibatches(part, url=directory, batch_size=16, prefix=f"p{index}")
+
+
+@pytest.mark.slow
+def test_fit_paths_on_files_written_by_spark_executors(sc, cluster, tmp_path):
+    from functools import partial
+
+    directory = str(tmp_path / "minibatches")
+    written = sc.parallelize(range(3), 3).mapPartitionsWithIndex(partial(write_shard, directory, 3)).count()
+    paths = sc.parallelize(dlspark.data.list_minibatches(directory), 3)
+    assert paths.count() == written
+    model = new_net(seed=1)
+    tm = ParameterAveragingTrainingMaster.Builder(16).batchSizePerWorker(16).averagingFrequency(2).build()
+    sparkNet = SparkDl4jMultiLayer(sc, model, tm)
+    for _ in range(10):
+        sparkNet.fitPaths(paths)
+    _, test = local_digits()
+    accuracy = float((model.output(test.features).argmax(1) == test.labels.argmax(1)).mean())
+    assert accuracy >= 0.95, accuracy
+
+    # a path to a missing file: the error names it, and the cluster trains on
+    missing = str(tmp_path / "minibatches" / "missing.npz")
+    with pytest.raises(CorruptMinibatchError, match="missing.npz.*not found"):
+        sparkNet.fit_paths(sc.parallelize(dlspark.data.list_minibatches(directory) + [missing], 2))
+    before = model.iteration
+    sparkNet.fitPaths(paths)
+    assert model.iteration == before + written
+
+
+def keyed_shard(index, iterator):
+    """Runs on an executor: ``(key, (features, label))`` for the example ids in this partition."""
+    train, test = local_digits()
+    x = np.concatenate([train.features, test.features])
+    y = np.concatenate([train.labels, test.labels])
+    for i in iterator:
+        noise = np.random.default_rng(i).normal(0, 0.05, 256).astype(np.float32)
+        yield f"k{i:05d}", (x[i % len(x)] + noise, y[i % len(y)])
+
+
+def all_keyed():
+    train, test = local_digits()
+    x = np.concatenate([train.features, test.features])
+    y = np.concatenate([train.labels, test.labels])
+    feats = np.stack([x[i % len(x)] + np.random.default_rng(i).normal(0, 0.05, 256).astype(np.float32)
+                      for i in range(N_KEYED)])
+    return [f"k{i:05d}" for i in range(N_KEYED)], feats, np.stack([y[i % len(y)] for i in range(N_KEYED)])
+
+
+@pytest.mark.slow
+def test_keyed_inference_scoring_and_evaluation_on_the_executors(sc, cluster):
+    net = new_net(seed=2, lr=1e-2)
+    train, _ = local_digits()
+    net.fit(train, epochs=2, batch_size=64)
+    keys, feats, labels = all_keyed()
+
+    examples = sc.parallelize(range(N_KEYED), 8).mapPartitionsWithIndex(keyed_shard).repartition(6)  # shuffled
+    pairs = examples.mapValues(lambda v: v[0])
+    assert too_big_for_the_driver(pairs)
+    sparkNet = SparkDl4jMultiLayer(sc, net, None)   # no training master: inference only
+
+    out = sparkNet.feedForwardWithKey(pairs, 64)
+    assert out.getNumPartitions() == pairs.getNumPartitions()
+    # the same keys in the same partitions and order; every key once
+    assert pairs.keys().zip(out.keys()).filter(lambda ab: ab[0] != ab[1]).count() == 0
+    assert out.keys().distinct().count() == N_KEYED
+    expected = sc.broadcast(dict(zip(keys, net.output(feats))))
+    assert out.map(lambda kv: float(np.abs(kv[1] - expected.value[kv[0]]).max())).max() < 1e-5
+
+    # with a features mask (the MLP ignores it; the outputs are the same)
+    masked = pairs.mapValues(lambda x: (x, np.ones((), np.float32)))
+    assert sparkNet.feedForwardWithMaskAndKey(masked, 32).map(
+        lambda kv: float(np.abs(kv[1] - expected.value[kv[0]]).max())).max() < 1e-5
+
+    # keyed scoring
+    keyed_data = examples.mapValues(lambda v: DataSet(v[0][None], v[1][None]))
+    scores = sparkNet.scoreExamples(keyed_data, False, 64)
+    local_scores = sc.broadcast(dict(zip(keys, net.score_examples(DataSet(feats, labels)))))
+    assert scores.getNumPartitions() == keyed_data.getNumPartitions()
+    worst = scores.map(lambda kv: abs(kv[1] - local_scores.value[kv[0]]) / max(1.0, local_scores.value[kv[0]])).max()
+    assert worst < 1e-5
+    assert scores.count() == N_KEYED
+    plain = keyed_data.values()
+    assert sparkNet.scoreExamples(plain, True).count() == N_KEYED
+    assert sparkNet.calculateScore(plain, True) == pytest.approx(net.score(DataSet(feats, labels)), rel=1e-5)
+
+    # three evaluations in one pass, equal to the core's distributed evaluation
+    ev, roc, cal = sparkNet.doEvaluation(plain, 64, Evaluation(), ROCMultiClass(32), EvaluationCalibration())
+    core = DistributedTrainer(cluster, net, progress=False).do_evaluation(
+        DataSet(feats, labels), 64, dlspark.evaluation.Evaluation(), dlspark.evaluation.ROCMultiClass(32),
+        dlspark.evaluation.EvaluationCalibration())
+    assert ev.count == N_KEYED and np.array_equal(ev.confusion_matrix(), core[0].confusion_matrix())
+    assert ev.stats() == core[0].stats()
+    assert roc.calculateAverageAUC() == pytest.approx(core[1].calculate_average_auc(), abs=1e-12)
+    assert np.array_equal(cal.bin_count, core[2].bin_count) and np.array_equal(cal.prob_hist, core[2].prob_hist)
+    # the same through evaluate() with a second worker count
+    _, roc2 = sparkNet.doEvaluation(plain, 2, 100, Evaluation(), ROCMultiClass(32))
+    assert roc2.calculateAUC(3) == pytest.approx(core[1].calculate_auc(3), abs=1e-12)
+
+
+@pytest.mark.slow
+def test_bad_input_is_refused_naming_what_was_found(sc, cluster, digits):
+    tm = ParameterAveragingTrainingMaster.Builder(16).batchSizePerWorker(16).build()
+    sparkNet = SparkDl4jMultiLayer(sc, new_net(), tm)
+    numbers = sc.parallelize(range(10), 2)
+    with pytest.raises(TypeError, match="fit takes an RDD of DataSets, MultiDataSets or minibatch file paths "
+                                        r"\(str\); found an element of type int"):
+        sparkNet.fit(numbers)
+    with pytest.raises(TypeError, match="evaluation takes an RDD of .*; found an element of type int"):
+        sparkNet.evaluate(numbers)
+    arrays = numbers.map(lambda i: np.full(256, i, np.float32))
+    with pytest.raises(TypeError, match="feedForwardWithKey takes an RDD of \\(key, features\\) pairs.*"
+                                        "found an element of type numpy.ndarray"):
+        sparkNet.feedForwardWithKey(arrays, 8)
+    datasets = digits_rdd(sc, "test", 8)
+    with pytest.raises(TypeError, match="found a pair whose value is of type dlspark.data._dataset.DataSet"):
+        sparkNet.feedForwardWithKey(datasets.map(lambda d: ("k", d)), 8)
+    with pytest.raises(TypeError, match="fitPaths takes an RDD of minibatch file paths \\(str\\); found an "
+                                        "element of type dlspark.data._dataset.DataSet"):
+        sparkNet.fitPaths(datasets)
+    with pytest.raises(TypeError, match="scoreExamples takes .*found an element of type int"):
+        sparkNet.scoreExamples(numbers)
+    with pytest.raises(TypeError, match="network must be a dlspark.Network, got str"):
+        SparkDl4jMultiLayer(sc, "MultiLayerConfiguration", tm)
+    with pytest.raises(TypeError, match="sc must be a pyspark SparkContext"):
+        SparkComputationGraph(None, new_net(), tm)
+    with pytest.raises(ValueError, match="no training master"):
+        SparkDl4jMultiLayer(sc, new_net(), None).fit(datasets)
+
+    # Direct collects through the driver: refused above the limit, with the way out named
+    direct = ParameterAveragingTrainingMaster.Builder(8).rddTrainingApproach(RDDTrainingApproach.Direct).build()
+    direct_net = SparkDl4jMultiLayer(sc, new_net(), direct)
+    import dask.config
+
+    with dask.config.set({"dlspark.spark.direct-max-bytes": "64KiB"}):
+        with pytest.raises(ValueError, match="above the limit of 0.1 MiB.*Use the export approach"):
+            direct_net.fit(datasets)
+    small = datasets.zipWithIndex().filter(lambda di: di[1] < 8).keys()  # 64 examples, 66 KiB
+    direct_net.fit(small)
+    assert direct_net.getNetwork().iteration == 4
+
+
+@pytest.mark.slow
+def test_spark_example_trains_on_dask(sc, cluster, capsys):
+    main = runpy.run_path(str(ROOT / "examples" / "train_digits_spark.py"))["main"]
+    accuracy = main(["--epochs", "10"], sc=sc)
+    assert accuracy >= 0.95
+    assert "test accuracy" in capsys.readouterr().out

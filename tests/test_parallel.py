@@ -1,0 +1,236 @@
+"""ParallelWrapper: the cluster's algorithms over the devices of one process.
+
+The conftest gives this process two CPU devices. Tested: one device is local
+``Network.fit``; two devices with SGD at frequency 1 are synchronous SGD on the
+concatenated minibatch; Adam with and without ``save_updater``, uneven last
+rounds and the outer optimizer equal parameter averaging done by hand; the same
+job as a DistributedTrainer on a 2-worker LocalCluster ends at the same
+parameters (dropout included), and a checkpoint of either resumes in the other.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, _cluster_client, accuracy
+
+import dlspark
+from dlspark import DataSet, DistributedTrainer, GradientSharing, ParallelWrapper, ParameterAveraging
+from dlspark.algorithms.averaging._numerics import outer_step
+from dlspark.checkpoint import read_checkpoint_meta
+from dlspark.errors import NonFiniteLossError
+
+CPU2 = jax.devices("cpu")[:2]
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _by_hand(net, batches, workers, freq, save_updater=True, tx=None):
+    """Parameter averaging done step by step in this process: the oracle. Rounds are cut as the
+    cluster's balanced planner cuts them; integer leaves stay rank 0's."""
+    start, ost = net.state, (None if tx is None else tx.init(net.state.params))
+    rng0 = start.rng
+    rngs = [rng0] + [jax.random.fold_in(rng0, r) for r in range(1, workers)]
+    for r0 in range(0, len(batches), workers * freq):
+        chunk = batches[r0:r0 + workers * freq]
+        states = []
+        for w, share in enumerate(np.array_split(np.arange(len(chunk)), workers)):
+            if len(share) == 0:
+                continue
+            st = start.replace(rng=rngs[w])
+            if not save_updater:
+                st = st.replace(opt_state=net.updater.init(st.params))
+            for i in share:
+                st, _, _ = net.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
+                                                jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch()))
+            rngs[w] = st.rng
+            states.append(st)
+
+        def mean(*leaves):
+            if np.issubdtype(np.asarray(leaves[0]).dtype, np.floating):
+                return sum(np.asarray(x, np.float32) for x in leaves) / len(leaves)
+            return leaves[0]
+
+        avg = jax.tree_util.tree_map(mean, *states)
+        if tx is not None:
+            params, ost = outer_step(tx, start.params, avg.params, ost)
+            avg = avg.replace(params=params)
+        start = avg
+    return start, ost
+
+
+@pytest.mark.parametrize("freq", [1, 3])
+def test_one_device_equals_local_fit(make_net, digits, freq):
+    tr, _ = digits
+    batches = tr[:640].batches(32)
+    local = make_net(updater=optax.adam(1e-2))
+    local.fit(batches, epochs=2)
+    net = make_net(updater=optax.adam(1e-2))
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=freq)
+    ParallelWrapper(net, master, devices=CPU2[:1], progress=False).fit(batches, epochs=2)
+    _close(net.state.params, local.state.params)
+    _close(net.state.opt_state, local.state.opt_state)
+    assert (net.iteration, net.epoch) == (local.iteration, local.epoch) == (40, 2)
+
+
+def test_two_devices_sgd_frequency_one_equals_synchronous_sgd(make_net, digits):
+    tr, _ = digits
+    batches = tr[:512].batches(32)
+    net = make_net(updater=optax.sgd(0.1))
+    wrapper = ParallelWrapper(net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1), CPU2,
+                              progress=False)
+    wrapper.fit(tr[:512])
+    sync = make_net(updater=optax.sgd(0.1))
+    sync.fit([DataSet.merge(batches[i:i + 2]) for i in range(0, len(batches), 2)])
+    _close(net.state.params, sync.state.params, rtol=1e-4, atol=1e-6)
+    assert net.iteration == 16 and len(wrapper.loss_history) == 8
+    s = wrapper.last_fit_stats[0]
+    assert (s["round"], s["minibatches"], s["examples"], s["workers"]) == (1, 2, 64, 2)
+    assert s["bytes_equivalent"] == 2 * sum(x.nbytes for x in jax.tree_util.tree_leaves(net.state))
+
+
+@pytest.mark.parametrize("save_updater", [True, False])
+def test_adam_and_uneven_last_rounds_equal_averaging_by_hand(make_net, digits, save_updater):
+    # 17 minibatches, the last one short: rounds of 2 x 3, then an uneven 3 + 2 with two shapes
+    tr, _ = digits
+    batches = tr[:530].batches(32)
+    net = make_net(MLP(dropout=0.2), updater=optax.adam(1e-2))
+    expected, _ = _by_hand(make_net(MLP(dropout=0.2), updater=optax.adam(1e-2)), batches, 2, 3, save_updater)
+    master = ParameterAveraging(averaging_frequency=3, save_updater=save_updater)
+    ParallelWrapper(net, master, CPU2, progress=False).fit(batches)
+    _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
+    _close(net.state.opt_state, expected.opt_state, rtol=1e-4, atol=1e-6)
+    assert int(jax.tree_util.tree_leaves(net.state.opt_state)[0]) == (9 if save_updater else 3)
+    np.testing.assert_array_equal(np.asarray(net.state.rng), np.asarray(expected.rng))
+
+
+def test_outer_optimizer_equals_the_outer_loop_by_hand_and_is_carried(make_net, digits):
+    tr, _ = digits
+    batches = tr[:384].batches(32)
+    tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    net = make_net(updater=optax.sgd(0.1))
+    expected, ost = _by_hand(make_net(updater=optax.sgd(0.1)), batches, 2, 2, tx=tx)
+    wrapper = ParallelWrapper(net, ParameterAveraging(averaging_frequency=2, outer_updater=tx), CPU2, progress=False)
+    wrapper.fit(batches)
+    _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
+    _close(wrapper.outer_state, ost, rtol=1e-4, atol=1e-6)
+    # sgd(1.0) is plain averaging, to float rounding
+    a, b = make_net(updater=optax.sgd(0.1)), make_net(updater=optax.sgd(0.1))
+    ParallelWrapper(a, ParameterAveraging(averaging_frequency=2, outer_updater=optax.sgd(1.0)), CPU2,
+                    progress=False).fit(batches)
+    ParallelWrapper(b, ParameterAveraging(averaging_frequency=2), CPU2, progress=False).fit(batches)
+    _close(a.state.params, b.state.params, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_and_resume_equal_an_uninterrupted_run(make_net, digits, tmp_path):
+    tr, _ = digits
+    data = tr[:640]  # 20 minibatches: 5 rounds of 2 devices x 2 per epoch
+    url = str(tmp_path / "ck.dls")
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2,
+                                outer_updater=optax.sgd(0.7, momentum=0.9))
+    straight = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
+    ParallelWrapper(straight, master, CPU2, progress=False).fit(data, epochs=2, checkpoint_every=7, checkpoint_url=url)
+    meta = read_checkpoint_meta(url)
+    assert (meta["iteration"], meta["epoch"], len(meta["worker_rngs"])) == (28, 1, 2)
+    assert (meta["fit_progress"]["epoch"], len(meta["fit_progress"]["done"]), meta["fit_progress"]["epochs_total"]) == (1, 8, 2)
+    resumed = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
+    ParallelWrapper(resumed, master, CPU2, progress=False).fit(data, epochs=2, resume_from=url)
+    _close(resumed.state.params, straight.state.params)
+    _close(resumed.state.opt_state, straight.state.opt_state)
+    assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (40, 2)
+
+
+def test_fit_paths_evaluation_keyed_inference_and_scoring(make_net, digits, tmp_path):
+    tr, te = digits
+    urls = dlspark.data.save_minibatches(tr.features, tr.labels, str(tmp_path / "mb"), batch_size=16)
+    net = make_net(MLP(hidden=128), updater=optax.adam(5e-3))
+    seen = []
+    wrapper = ParallelWrapper(net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2), CPU2,
+                              progress=False)
+    wrapper.fit_paths(str(tmp_path / "mb"), epochs=8, callbacks=[seen.append])
+    assert accuracy(net, te) >= 0.95 and len(seen) == len(wrapper.last_fit_stats) == 8 * -(-len(urls) // 4)
+    assert wrapper.loss_history[-1][2] < wrapper.loss_history[0][2]
+    ev = wrapper.evaluate(te)
+    assert ev.accuracy() == pytest.approx(accuracy(net, te))
+    keyed = wrapper.predict_with_keys({f"k{i}": te.features[i] for i in range(5)})
+    np.testing.assert_allclose(keyed["k3"], net.output(te.features[3:4])[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(wrapper.score_examples(te[:10]), net.score_examples(te[:10]), rtol=1e-6)
+
+
+def test_nonfinite_loss_raises_and_leaves_the_network_as_before_the_fit(make_net, digits):
+    tr, _ = digits
+    bad = tr[:128].features.copy()
+    bad[100] = np.nan
+    net = make_net()
+    before = jax.tree_util.tree_map(np.asarray, net.state.params)
+    with pytest.raises(NonFiniteLossError):
+        ParallelWrapper(net, ParameterAveraging(averaging_frequency=2), CPU2, progress=False).fit(
+            DataSet(bad, tr[:128].labels))
+    _close(net.state.params, before, rtol=0, atol=0)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="network must be a dlspark.Network"):
+        ParallelWrapper(object(), ParameterAveraging())
+    with pytest.raises(NotImplementedError, match="GradientSharing"):
+        ParallelWrapper(_tiny_net(), GradientSharing())
+    with pytest.raises(ValueError, match="devices must be an integer >= 1, got 0"):
+        ParallelWrapper(_tiny_net(), ParameterAveraging(), devices=0)
+    with pytest.raises(ValueError, match=r"devices=64, but JAX has \d+ .* device"):
+        ParallelWrapper(_tiny_net(), ParameterAveraging(), devices=64)
+    with pytest.raises(TypeError, match="devices must be None, a number of devices or a list"):
+        ParallelWrapper(_tiny_net(), ParameterAveraging(), devices="gpu")
+    wrapper = ParallelWrapper(_tiny_net(), ParameterAveraging(), CPU2, progress=False)
+    with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_url"):
+        wrapper.fit((np.zeros((4, 64), np.float32), np.zeros((4, 10), np.float32)), checkpoint_every=2)
+
+
+def _tiny_net():
+    return dlspark.Network(dlspark.Model.from_flax(MLP(hidden=8), np.zeros((1, 64), np.float32)))
+
+
+# -- against the cluster ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client2():
+    yield from _cluster_client(2)
+
+
+@pytest.mark.slow
+def test_same_job_as_a_two_worker_cluster_ends_at_the_same_parameters(client2, make_net, digits):
+    tr, _ = digits
+    data = tr[:560]  # 18 minibatches (the last short): 3 rounds of 2 x 3, then 3 + 2
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, training_approach="direct")
+    cluster = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
+    DistributedTrainer(client2, cluster, master, progress=False).fit(data, epochs=2)
+    here = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
+    ParallelWrapper(here, master, CPU2, progress=False).fit(data, epochs=2)
+    _close(here.state.params, cluster.state.params, rtol=1e-4, atol=1e-6)
+    _close(here.state.opt_state, cluster.state.opt_state, rtol=1e-4, atol=1e-6)
+    assert (here.iteration, here.epoch) == (cluster.iteration, cluster.epoch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["cluster", "wrapper"])
+def test_a_checkpoint_of_either_trainer_resumes_in_the_other(client2, make_net, digits, tmp_path, writer):
+    tr, _ = digits
+    data = tr[:640]
+    url = str(tmp_path / "ck.dls")
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2)
+
+    def trainer(net, who):
+        if who == "cluster":
+            return DistributedTrainer(client2, net, master, progress=False)
+        return ParallelWrapper(net, master, CPU2, progress=False)
+
+    reader = "wrapper" if writer == "cluster" else "cluster"
+    straight = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
+    trainer(straight, writer).fit(data, epochs=2, checkpoint_every=7, checkpoint_url=url)
+    resumed = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
+    trainer(resumed, reader).fit(data, epochs=2, resume_from=url)
+    _close(resumed.state.params, straight.state.params, rtol=1e-4, atol=1e-6)
+    assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (40, 2)
