@@ -118,3 +118,23 @@ def make_master(algorithm, batch, frequency=5, approach="export", **sharing):
         return dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=frequency,
                                           training_approach=approach)
     return dlspark.GradientSharing(batch_size_per_worker=batch, training_approach=approach, **sharing)
+
+
+def plain_optax_step(model, tx):
+    """The field's plain tool, the baseline of every comparison: a bare jitted flax + optax
+    step on one-hot labels, ``(params, opt_state, x, y) -> (params, opt_state, loss)``, its
+    parameter and updater buffers donated."""
+    from functools import partial
+
+    import jax
+
+    def loss_fn(params, xb, yb):
+        return optax.softmax_cross_entropy(model.apply(params, xb), yb).mean()
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, xb, yb):
+        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step

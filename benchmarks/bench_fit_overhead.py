@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 import timeit
-from functools import partial
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -28,6 +27,7 @@ def _setup():
     import optax
 
     import dlspark
+    from _common import plain_optax_step
 
     class MLP(nn.Module):
         @nn.compact
@@ -38,14 +38,7 @@ def _setup():
     model, tx = MLP(), optax.adam(3e-3)
     x, y = tr.features, tr.labels
 
-    def loss_fn(params, xb, yb):
-        return optax.softmax_cross_entropy(model.apply(params, xb), yb).mean()
-
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, xb, yb):
-        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step = plain_optax_step(model, tx)
 
     numpy_batches = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)]
     plain = {"params": model.init(jax.random.PRNGKey(0), x[:1])}

@@ -116,23 +116,15 @@ def _run_epochs(train_one_epoch, evaluate, target, max_epochs):
 def run_plain(tr, te, target, max_epochs, name):
     """The baseline: a bare jitted flax + optax step over numpy minibatches, in a pinned process."""
     os.sched_setaffinity(0, {0})
-    from functools import partial
-
     import jax
+
+    from _common import plain_optax_step
     import optax
 
     widths, batch, lr = ARCH[name]
     model, tx = _flax_mlp(widths), optax.adam(lr)
-    x, y = tr.features, tr.labels.argmax(1)
-
-    def loss_fn(params, xb, yb):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, xb), yb).mean()
-
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, xb, yb):
-        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    x, y = tr.features, tr.labels
+    step = plain_optax_step(model, tx)
 
     predict = jax.jit(model.apply)
     batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
