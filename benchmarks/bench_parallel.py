@@ -4,7 +4,8 @@ efficiency = (steps/s of one device inside a ParallelWrapper fit) / (steps/s of
 the same jitted step in a plain process pinned to one core). The wrapper runs
 in a fresh process, where JAX starts with ``jax_num_cpu_devices`` = devices and
 which may use as many cores; the baseline is measured in the same run, before
-and after, and averaged. The steps/s of the wrapper come from its round
+and after, and averaged (``efficiency_vs_concurrent`` divides by plain processes run side
+by side, one pinned to each core). The steps/s of the wrapper come from its round
 statistics, leaving out the first two rounds (as ``bench_efficiency.py`` does
 for the cluster). Print the figures with
 ``python benchmarks/bench_parallel.py [mlp|cnn ...]``.
@@ -20,34 +21,36 @@ import timeit
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import make_data, make_network, plain_steps_per_second  # noqa: E402
+from _common import (make_data, make_network, plain_concurrent_steps_per_second,  # noqa: E402
+                     plain_steps_per_second)
 
 #: network -> minibatch size of a plain step of roughly 10-13 ms on one core here (bench_efficiency's)
 BATCH = {"mlp": 160, "cnn": 16}
 FREQ = 5
 
 
-def run_wrapper(kind, batch, freq, n_rounds, devices):
+def run_wrapper(kind, batch, freq, n_rounds, devices, fused=True):
     """Runs in the wrapper's own process: a warm-up fit (compilation), then the timed fit."""
     import dlspark
 
     net = make_network(kind)
-    master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq)
+    master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq, fused_steps=fused)
     wrapper = dlspark.ParallelWrapper(net, master, devices=devices, progress=False)
     wrapper.fit(make_data(batch * freq * devices * 4, kind))
     data = make_data(batch * freq * devices * n_rounds, kind)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     wrapper.fit(data)
-    whole = time.perf_counter() - t0
+    whole, cpu = time.perf_counter() - t0, time.process_time() - c0
     stats = wrapper.last_fit_stats[2:]
     steps = sum(s["minibatches"] for s in stats) / devices
     wall = sum(s["round_time"] for s in stats)
     return {"steps_per_s": steps / wall, "whole_fit_steps_per_s": n_rounds * freq / whole,
             "data_wait_share": sum(s["data_wait"] for s in stats) / wall, "params": net.num_params,
+            "cpu_ms_per_step": 1000 * cpu / (n_rounds * freq * devices),
             "device": str(wrapper.devices[0].platform)}
 
 
-def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2):
+def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fused=True):
     code = textwrap.dedent(f"""
         import json, os, sys
         os.sched_setaffinity(0, set(range({devices})))  # before JAX starts
@@ -55,24 +58,28 @@ def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2):
         jax.config.update("jax_num_cpu_devices", {devices})
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from bench_parallel import run_wrapper
-        print(json.dumps(run_wrapper({kind!r}, {batch}, {freq}, {n_rounds}, {devices})))
+        print(json.dumps(run_wrapper({kind!r}, {batch}, {freq}, {n_rounds}, {devices}, {fused})))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ):
+def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ, fused=True):
     batch = BATCH[kind]
-    before, _ = plain_steps_per_second(kind, batch)
-    job = wrapper_steps_per_second(kind, batch, freq, n_rounds, devices)
-    after, _ = plain_steps_per_second(kind, batch)
+    before, cpu_before = plain_steps_per_second(kind, batch)
+    job = wrapper_steps_per_second(kind, batch, freq, n_rounds, devices, fused)
+    after, cpu_after = plain_steps_per_second(kind, batch)
     plain = (before + after) / 2
-    return {"algorithm": "averaging", "network": kind, "devices": devices, "frequency": freq,
+    concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(devices)))
+    return {"algorithm": "averaging", "network": kind, "devices": devices, "frequency": freq, "fused_steps": fused,
             "wrapper_steps_per_s_per_device": job["steps_per_s"], "plain_steps_per_s": plain,
             "efficiency": job["steps_per_s"] / plain,
             "efficiency_whole_fit": job["whole_fit_steps_per_s"] / plain,
+            "efficiency_vs_concurrent": job["steps_per_s"] / concurrent,
             "plain_step_ms": 1000 / plain, "plain_drift": after / before,
-            "data_wait_share": job["data_wait_share"], "params": job["params"]}
+            "data_wait_share": job["data_wait_share"], "params": job["params"],
+            # CPU time per step (the wrapper's: per step of one device), a figure load on the machine moves less
+            "cpu_ms_per_step_ratio": (cpu_before / before + cpu_after / after) / 2 * 1000 / job["cpu_ms_per_step"]}
 
 
 class ParallelWrapperEfficiency:
@@ -82,13 +89,14 @@ class ParallelWrapperEfficiency:
     timer = timeit.default_timer
     unit = "ratio"
 
-    params = ["mlp", "cnn"]
-    param_names = ["network"]
+    params = (["mlp", "cnn"], [True, False])
+    param_names = ["network", "fused_steps"]
 
-    def track_averaging_efficiency_2_devices(self, kind):
-        return measure(kind)["efficiency"]
+    def track_averaging_efficiency_2_devices(self, kind, fused):
+        return measure(kind, fused=fused)["efficiency"]
 
 
 if __name__ == "__main__":
     for kind in sys.argv[1:] or ["mlp", "cnn"]:
-        print(json.dumps(measure(kind)))
+        for fused in (True, False):
+            print(json.dumps(measure(kind, fused=fused)))

@@ -1,7 +1,65 @@
-"""DL4J/Spark-shaped names over dlspark (``SparkDl4jMultiLayer``, the TrainingMaster builders).
+"""DL4J-on-Spark's API over dlspark: keep the SparkContext, the RDDs and the calls; train on Dask.
 
-The shim translates calls only; it holds no logic of its own, and imports
-pyspark only when a pyspark object is handed to it.
+``SparkDl4jMultiLayer(sc, network, trainingMaster)`` and ``SparkComputationGraph``
+wrap a :class:`dlspark.Network`; ``ParameterAveragingTrainingMaster.Builder`` and
+``SharedTrainingMaster.Builder`` build :class:`dlspark.ParameterAveraging` and
+:class:`dlspark.GradientSharing` with DL4J's defaults. Names are DL4J's
+(camelCase), each with a snake_case alias.
+
+Training runs on a Dask cluster (:func:`configure`, else the Spark
+configuration key ``spark.dlspark.scheduler``, else an embedded
+LocalCluster); an RDD of DataSets reaches it as minibatch files the Spark
+executors write, an RDD of paths as its path strings. Evaluation, scoring and
+keyed inference of RDDs run on the Spark executors, where the data is.
+
+This package only translates names and calls; the pyspark execution lives in
+``dlspark.data._spark``. Importing it does not import pyspark.
+
+Examples
+--------
+>>> from dlspark.compat import ParameterAveragingTrainingMaster, SparkDl4jMultiLayer
+>>> tm = ParameterAveragingTrainingMaster.Builder(32).batchSizePerWorker(32).averagingFrequency(5).build()
+>>> spark_net = SparkDl4jMultiLayer(sc, net, tm)  # doctest: +SKIP
+>>> for epoch in range(5):  # doctest: +SKIP
+...     spark_net.fit(train_rdd)
 """
 
-__all__: list = []
+from ._cluster import SCHEDULER_CONF_KEY, configure
+from ._conf import (AdaptiveThresholdAlgorithm, FixedThresholdAlgorithm, MeshBuildMode, NoOpResidualPostProcessor,
+                    RDDTrainingApproach, Repartition, RepartitionStrategy, ResidualClippingPostProcessor,
+                    TargetSparsityThresholdAlgorithm, VoidConfiguration)
+from ._evaluation import (ROC, Evaluation, EvaluationBinary, EvaluationCalibration, RegressionEvaluation, ROCBinary,
+                          ROCMultiClass)
+from ._masters import ParameterAveragingTrainingMaster, SharedTrainingMaster, TrainingMaster
+from ._networks import SparkComputationGraph, SparkDl4jMultiLayer, SparkTrainingStats
+from ._util import ModelSerializer, SparkUtils
+
+__all__ = [
+    "configure",
+    "SCHEDULER_CONF_KEY",
+    "SparkDl4jMultiLayer",
+    "SparkComputationGraph",
+    "TrainingMaster",
+    "ParameterAveragingTrainingMaster",
+    "SharedTrainingMaster",
+    "RDDTrainingApproach",
+    "Repartition",
+    "RepartitionStrategy",
+    "VoidConfiguration",
+    "MeshBuildMode",
+    "AdaptiveThresholdAlgorithm",
+    "FixedThresholdAlgorithm",
+    "TargetSparsityThresholdAlgorithm",
+    "ResidualClippingPostProcessor",
+    "NoOpResidualPostProcessor",
+    "SparkTrainingStats",
+    "SparkUtils",
+    "ModelSerializer",
+    "Evaluation",
+    "EvaluationBinary",
+    "ROC",
+    "ROCBinary",
+    "ROCMultiClass",
+    "RegressionEvaluation",
+    "EvaluationCalibration",
+]

@@ -8,8 +8,8 @@ sharded over a one-axis mesh). A round is planned by the cluster's own planner
 ``i``-th worker in address order stands), so the minibatch-to-replica assignment,
 the per-replica RNG streams and the checkpoints are those of a
 :class:`~dlspark.DistributedTrainer` with as many workers. A round's steps and
-its mean run as one compiled SPMD call (``shard_map``: ``Network.steps.train_steps``
-on every device, then ``psum``), with the outer optimizer in the same call.
+its mean run as one compiled SPMD call (``shard_map``: ``train_step`` over the round's
+stacked minibatches on every device, then ``psum``), with the outer optimizer in the same call.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_
                             keyed_items, local_batches)
 from .distributed._client import _progress_bar, _resume
 from .distributed._plan import Coordinator
+from .evaluation import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
 from .io import write_bytes
 from .network import Network
 
@@ -170,10 +171,13 @@ class _Rounds:
         batches = [b for v in loaded.values() for _, b in v]
         if len(counts) == 1 and 0 not in counts and _one_shape(batches):
             # one host array [replica, step, ...] per leaf, each replica's part copied to its device
+            # (with fused_steps=False one [replica, ...] array per step)
             stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs).reshape((len(ranks), -1) + np.shape(xs[0])),
                                              *batches)
-            return {"regular": True, "examples": examples,
-                    "batches": jax.device_put(stacked, NamedSharding(self.wrapper.mesh, P(AXIS)))}
+            sharding = NamedSharding(self.wrapper.mesh, P(AXIS))
+            if not self.wrapper.master.fused_steps:
+                stacked = [jax.tree_util.tree_map(lambda x: x[:, j], stacked) for j in range(counts.pop())]
+            return {"regular": True, "examples": examples, "batches": jax.device_put(stacked, sharding)}
         return {"regular": False, "examples": examples,
                 "batches": {r: [jax.device_put(b, devices[r]) for _, b in loaded[r]] for r in ranks}}
 
@@ -232,15 +236,29 @@ def _mean_over_devices(state, contributes, n):
     leaves, treedef = jax.tree_util.tree_flatten(state)
     floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
     wide = [leaves[i].astype(jnp.promote_types(leaves[i].dtype, jnp.float32)) for i in floats]
-    sums = jax.lax.psum([jnp.where(contributes, x, jnp.zeros_like(x)) for x in wide], AXIS)
+    if contributes is not None:  # some replicas had no minibatch this round: they add nothing
+        wide = [jnp.where(contributes, x, jnp.zeros_like(x)) for x in wide]
+    sums = jax.lax.psum(wide, AXIS)
     for i, s in zip(floats, sums):
         leaves[i] = (s / n.astype(s.dtype)).astype(leaves[i].dtype)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _train_steps(steps, state, batches):
+    """``Network.steps.train_steps`` (``train_step`` scanned over the stacked minibatches),
+    unrolled: XLA's CPU backend runs convolutions inside a rolled loop about 25 times slower
+    (jax 0.10.2: 460 against 19 ms a step for the benchmarks' CNN; the MLP is unaffected),
+    and a round is a handful of steps."""
+    def body(st, batch):
+        st, value, ok = steps.train_step(st, batch)
+        return st, (value, ok)
+
+    return jax.lax.scan(body, state, batches, unroll=True)
+
+
 def _round_function(net, master, mesh, fit: bool):
     """The compiled round: with ``fit``, every replica runs its stacked minibatches
-    (``Network.steps.train_steps``, one ``lax.scan``), then the replicas average and take
+    (:func:`_train_steps`), then the replicas average and take
     the outer step; without, the replicas (already fitted) only average."""
     steps, updater, tx = net.steps, net.updater, master.outer_updater
 
@@ -253,10 +271,11 @@ def _round_function(net, master, mesh, fit: bool):
             if not master.save_updater:
                 st = st.replace(opt_state=updater.init(st.params))
             st = st.replace(epoch=epoch)
-            st, (losses, oks) = steps.train_steps(st, _first(batches))
+            st, (losses, oks) = _train_steps(steps, st, _first(batches))
         else:
             start = _first(start)
-        st = _mean_over_devices(st, contributes[0], n)
+        # in a fitting call every replica has minibatches: all of them contribute
+        st = _mean_over_devices(st, None if fit else contributes[0], n)
         if tx is not None:
             params, ost = outer_step(tx, start, st.params, ost)
             st = st.replace(params=params)
@@ -267,6 +286,23 @@ def _round_function(net, master, mesh, fit: bool):
                        out_specs=(spec, spec, spec, spec), check_vma=False)
     # an averaging-only call's state shares buffers with its round-start parameters: no donation
     return jax.jit(fn, donate_argnums=(0, 1) if fit else ())
+
+
+def _step_function(net, master, mesh, first: bool):
+    """One step on every device (``fused_steps=False``); the round's ``first`` resets the updater
+    (without ``save_updater``) and sets the epoch, as a cluster worker does at a round's start."""
+    def local(state, batch, epoch):
+        st = _first(state)
+        if first:
+            if not master.save_updater:
+                st = st.replace(opt_state=net.updater.init(st.params))
+            st = st.replace(epoch=epoch)
+        st, loss, ok = net.steps.train_step(st, _first(batch))
+        return _lead(st), loss[None], ok[None]
+
+    spec = P(AXIS)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, spec, spec),
+                                 check_vma=False))
 
 
 def _by_device(x) -> dict:
@@ -296,9 +332,10 @@ class ParallelWrapper:
     master : ParameterAveraging
         The algorithm and its settings (``batch_size_per_worker`` is per device;
         ``worker_prefetch_num_batches`` minibatches per device are loaded ahead, on a
-        thread, and placed on their devices there). A round always runs as one
-        compiled call, whatever ``fused_steps`` says; ``training_approach`` and
-        ``export_directory`` do not apply (nothing is exported).
+        thread, and placed on their devices there). With ``fused_steps`` (the default)
+        a round runs as one compiled call; without, one call per step and one to
+        average (faster for convolutional networks on XLA's CPU backend).
+        ``training_approach`` and ``export_directory`` do not apply (nothing is exported).
     devices : None, int or list of jax.Device
         Default: every local device of the default backend. On CPU, JAX's
         ``jax_num_cpu_devices`` setting makes one device per core if JAX starts
@@ -406,10 +443,12 @@ class ParallelWrapper:
                 raise ValueError("checkpoint_every needs checkpoint_url, e.g. "
                                  "fit(data, checkpoint_every=10, checkpoint_url='file:///tmp/ck.dls')")
 
-    def _function(self, fit: bool):
-        if fit not in self._functions:
-            self._functions[fit] = _round_function(self.network, self.master, self.mesh, fit)
-        return self._functions[fit]
+    def _function(self, kind):
+        if kind not in self._functions:
+            self._functions[kind] = (_step_function(self.network, self.master, self.mesh, kind[1])
+                                     if isinstance(kind, tuple) else
+                                     _round_function(self.network, self.master, self.mesh, kind))
+        return self._functions[kind]
 
     def _replicate(self, state, saved_rngs):
         """The state on every device; each replica's RNG as the cluster's worker of that rank
@@ -515,9 +554,22 @@ class ParallelWrapper:
             mask = np.array([r in contributors for r in range(len(self.devices))])
             self._masks[contributors] = jax.device_put(mask, NamedSharding(self.mesh, P(AXIS)))
         args = (np.int32(epoch), self._masks[contributors], np.float32(len(contributors)))
-        if item["regular"]:
+        if item["regular"] and self.master.fused_steps:
             return self._function(True)(state, outer, item["batches"], (), *args)
+        if item["regular"]:
+            return self._stepwise(state, outer, item["batches"], *args)
         return self._irregular(state, outer, item["batches"], *args)
+
+    def _stepwise(self, state, outer, batches, epoch, mask, n):
+        """A round with ``fused_steps=False``: one call per step on every device (no donation: the
+        round-start parameters stay for the outer step), then one call averages. On XLA's CPU
+        backend this keeps a convolutional step as fast as a plain one; fused, it is slower."""
+        start, losses, oks = state.params, [], []
+        for j, batch in enumerate(batches):
+            state, loss, ok = self._function(("step", j == 0))(state, batch, epoch)
+            losses.append(loss), oks.append(ok)
+        state, outer, _, _ = self._function(False)(state, outer, (), start, epoch, mask, n)
+        return state, outer, jnp.stack(losses, 1), jnp.stack(oks, 1)
 
     def _round_stats(self, item, losses, round_time, call_time, wait, sizes):
         """A round's statistics, shaped as the cluster's where they apply."""
@@ -593,26 +645,18 @@ class ParallelWrapper:
 
     def evaluate(self, data, batch_size: int | None = None, **kw):
         """Classification :class:`~dlspark.evaluation.Evaluation` over ``data``."""
-        from .evaluation import Evaluation
-
         return self.do_evaluation(data, batch_size, Evaluation(), **kw)[0]
 
     def evaluate_roc(self, data, threshold_steps: int = 0, batch_size: int | None = None, **kw):
         """Binary :class:`~dlspark.evaluation.ROC` over ``data``."""
-        from .evaluation import ROC
-
         return self.do_evaluation(data, batch_size, ROC(threshold_steps), **kw)[0]
 
     def evaluate_roc_multiclass(self, data, threshold_steps: int = 0, batch_size: int | None = None, **kw):
         """One-vs-all :class:`~dlspark.evaluation.ROCMultiClass` over ``data``."""
-        from .evaluation import ROCMultiClass
-
         return self.do_evaluation(data, batch_size, ROCMultiClass(threshold_steps), **kw)[0]
 
     def evaluate_regression(self, data, batch_size: int | None = None, **kw):
         """:class:`~dlspark.evaluation.RegressionEvaluation` over ``data``."""
-        from .evaluation import RegressionEvaluation
-
         return self.do_evaluation(data, batch_size, RegressionEvaluation(), **kw)[0]
 
     def predict_with_keys(self, keyed_features, batch_size: int = 64, features_mask=None):

@@ -19,6 +19,7 @@ from dlspark import DataSet, DistributedTrainer, GradientSharing, ParallelWrappe
 from dlspark.algorithms.averaging._numerics import outer_step
 from dlspark.checkpoint import read_checkpoint_meta
 from dlspark.errors import NonFiniteLossError
+from dlspark.evaluation import Evaluation, RegressionEvaluation
 
 CPU2 = jax.devices("cpu")[:2]
 
@@ -94,11 +95,12 @@ def test_two_devices_sgd_frequency_one_equals_synchronous_sgd(make_net, digits):
     assert s["bytes_equivalent"] == 2 * sum(x.nbytes for x in jax.tree_util.tree_leaves(net.state))
 
 
-@pytest.mark.parametrize("save_updater", [True, False])
-def test_adam_and_uneven_last_rounds_equal_averaging_by_hand(make_net, digits, save_updater):
-    # 17 minibatches, the last one short: rounds of 2 x 3, then an uneven 3 + 2 with two shapes
+@pytest.mark.parametrize("save_updater, n", [(True, 576), (False, 530)])
+def test_adam_and_uneven_last_rounds_equal_averaging_by_hand(make_net, digits, save_updater, n):
+    # 576: 18 minibatches, 3 rounds of 2 x 3. 530: 17, the last one short: rounds of 2 x 3,
+    # then an uneven 3 + 2 with two shapes (each replica steps on its own device)
     tr, _ = digits
-    batches = tr[:530].batches(32)
+    batches = tr[:n].batches(32)
     net = make_net(MLP(dropout=0.2), updater=optax.adam(1e-2))
     expected, _ = _by_hand(make_net(MLP(dropout=0.2), updater=optax.adam(1e-2)), batches, 2, 3, save_updater)
     master = ParameterAveraging(averaging_frequency=3, save_updater=save_updater)
@@ -106,6 +108,7 @@ def test_adam_and_uneven_last_rounds_equal_averaging_by_hand(make_net, digits, s
     _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
     _close(net.state.opt_state, expected.opt_state, rtol=1e-4, atol=1e-6)
     assert int(jax.tree_util.tree_leaves(net.state.opt_state)[0]) == (9 if save_updater else 3)
+    assert net.iteration == len(batches)
     np.testing.assert_array_equal(np.asarray(net.state.rng), np.asarray(expected.rng))
 
 
@@ -125,6 +128,19 @@ def test_outer_optimizer_equals_the_outer_loop_by_hand_and_is_carried(make_net, 
                     progress=False).fit(batches)
     ParallelWrapper(b, ParameterAveraging(averaging_frequency=2), CPU2, progress=False).fit(batches)
     _close(a.state.params, b.state.params, rtol=1e-5, atol=1e-6)
+
+
+def test_step_by_step_rounds_equal_fused_rounds(make_net, digits):
+    tr, _ = digits
+    batches = tr[:384].batches(32)  # 12 minibatches: 2 rounds of 2 devices x 3
+    nets = []
+    for fused in (True, False):
+        nets.append(make_net(MLP(dropout=0.2), updater=optax.adam(1e-2)))
+        master = ParameterAveraging(averaging_frequency=3, save_updater=False, fused_steps=fused,
+                                    outer_updater=optax.sgd(0.7, momentum=0.9))
+        ParallelWrapper(nets[-1], master, CPU2, progress=False).fit(batches)
+    _close(nets[0].state, nets[1].state)
+    assert nets[1].iteration == 12
 
 
 def test_checkpoint_and_resume_equal_an_uninterrupted_run(make_net, digits, tmp_path):
@@ -147,19 +163,21 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run(make_net, digits, tmp_
 
 def test_fit_paths_evaluation_keyed_inference_and_scoring(make_net, digits, tmp_path):
     tr, te = digits
-    urls = dlspark.data.save_minibatches(tr.features, tr.labels, str(tmp_path / "mb"), batch_size=16)
+    urls = dlspark.data.save_minibatches(tr.features[:960], tr.labels[:960], str(tmp_path / "mb"), batch_size=16)
     net = make_net(MLP(hidden=128), updater=optax.adam(5e-3))
     seen = []
     wrapper = ParallelWrapper(net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2), CPU2,
                               progress=False)
-    wrapper.fit_paths(str(tmp_path / "mb"), epochs=8, callbacks=[seen.append])
-    assert accuracy(net, te) >= 0.95 and len(seen) == len(wrapper.last_fit_stats) == 8 * -(-len(urls) // 4)
-    assert wrapper.loss_history[-1][2] < wrapper.loss_history[0][2]
-    ev = wrapper.evaluate(te)
-    assert ev.accuracy() == pytest.approx(accuracy(net, te))
+    wrapper.fit_paths(str(tmp_path / "mb"), epochs=2, callbacks=[seen.append])
+    assert len(urls) == 60 and len(seen) == len(wrapper.last_fit_stats) == 2 * 15
+    assert net.iteration == 120 and wrapper.loss_history[-1][2] < wrapper.loss_history[0][2]
+    ev, reg = wrapper.do_evaluation(te, 50, Evaluation(), RegressionEvaluation())
+    assert ev.accuracy() == pytest.approx(accuracy(net, te)) and ev.accuracy() >= 0.8
+    assert reg.n == len(te)  # one pass filled both
     keyed = wrapper.predict_with_keys({f"k{i}": te.features[i] for i in range(5)})
     np.testing.assert_allclose(keyed["k3"], net.output(te.features[3:4])[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(wrapper.score_examples(te[:10]), net.score_examples(te[:10]), rtol=1e-6)
+    assert wrapper.calculate_score(te[:10]) == pytest.approx(float(net.score_examples(te[:10]).mean()), rel=1e-5)
 
 
 def test_nonfinite_loss_raises_and_leaves_the_network_as_before_the_fit(make_net, digits):
@@ -203,12 +221,12 @@ def client2():
 @pytest.mark.slow
 def test_same_job_as_a_two_worker_cluster_ends_at_the_same_parameters(client2, make_net, digits):
     tr, _ = digits
-    data = tr[:560]  # 18 minibatches (the last short): 3 rounds of 2 x 3, then 3 + 2
+    data = tr[:530]  # 17 minibatches (the last short): 2 rounds of 2 x 3, then 3 + 2
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, training_approach="direct")
     cluster = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
-    DistributedTrainer(client2, cluster, master, progress=False).fit(data, epochs=2)
+    DistributedTrainer(client2, cluster, master, progress=False).fit(data)
     here = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
-    ParallelWrapper(here, master, CPU2, progress=False).fit(data, epochs=2)
+    ParallelWrapper(here, master, CPU2, progress=False).fit(data)
     _close(here.state.params, cluster.state.params, rtol=1e-4, atol=1e-6)
     _close(here.state.opt_state, cluster.state.opt_state, rtol=1e-4, atol=1e-6)
     assert (here.iteration, here.epoch) == (cluster.iteration, cluster.epoch)

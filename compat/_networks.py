@@ -1,0 +1,351 @@
+"""SparkDl4jMultiLayer and SparkComputationGraph: DL4J's Spark wrappers over a dlspark Network.
+
+Training goes to a :class:`dlspark.DistributedTrainer` on the Dask cluster
+(:func:`dlspark.compat.configure`); evaluation, scoring and keyed inference on
+RDDs run on the Spark executors (``dlspark.data._spark``). This module only
+translates names and arguments.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dlspark import DistributedTrainer, Network
+from dlspark.data import SourceContext, fit_minibatches, list_minibatches
+from dlspark.data import _spark
+
+from ._cluster import dask_client, progress_enabled
+from ._evaluation import Evaluation, RegressionEvaluation, ROC, ROCMultiClass
+from ._masters import TrainingMaster, spark_storage_level
+from ._conf import RDDTrainingApproach
+from ._names import with_snake_aliases
+
+__all__ = ["SparkDl4jMultiLayer", "SparkComputationGraph", "SparkTrainingStats"]
+
+
+def _spark_context(sc):
+    """A SparkContext from a SparkContext or a SparkSession (pyspark is not imported here)."""
+    if hasattr(sc, "sparkContext") and not hasattr(sc, "parallelize"):
+        sc = sc.sparkContext
+    if not ((type(sc).__module__ or "").startswith("pyspark") and hasattr(sc, "parallelize")):
+        raise TypeError(f"sc must be a pyspark SparkContext (or SparkSession), got {type(sc).__name__}")
+    return sc
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@with_snake_aliases
+class SparkTrainingStats:
+    """Every round's statistics from the fits run while collection was on
+    (``setCollectTrainingStats(True)``), with DL4J's accessors.
+
+    Attributes
+    ----------
+    rounds : list of dict
+        One dict per round (fit time, averaging or sync time, loss, examples, ...).
+    """
+
+    def __init__(self, rounds):
+        self.rounds = list(rounds)
+
+    def getKeySet(self) -> list:
+        """The names of the numeric figures recorded."""
+        return sorted({k for r in self.rounds for k, v in r.items() if isinstance(v, (int, float))
+                       and not isinstance(v, bool)})
+
+    def getValue(self, key: str) -> list:
+        """The figure ``key`` of every round that recorded it."""
+        if key not in self.getKeySet():
+            raise KeyError(f"no training statistic {key!r}; recorded: {', '.join(self.getKeySet())}")
+        return [r[key] for r in self.rounds if key in r]
+
+    def statsAsString(self) -> str:
+        """One line per figure: rounds, mean, min and max."""
+        lines = [f"{len(self.rounds)} rounds"]
+        for k in self.getKeySet():
+            v = np.asarray(self.getValue(k), dtype=float)
+            lines.append(f"{k}: n={len(v)} mean={np.nanmean(v):.6g} min={np.nanmin(v):.6g} max={np.nanmax(v):.6g}")
+        return "\n".join(lines)
+
+    def __len__(self):
+        return len(self.rounds)
+
+    def __repr__(self):
+        return f"SparkTrainingStats({len(self.rounds)} rounds)"
+
+
+@with_snake_aliases
+class _SparkNetwork:
+    """What SparkDl4jMultiLayer and SparkComputationGraph share."""
+
+    #: Examples per forward pass in evaluation and scoring, by default (DL4J's).
+    DEFAULT_EVAL_SCORE_BATCH_SIZE = 64
+    #: Threshold steps of the ROC evaluations, by default (DL4J's).
+    DEFAULT_ROC_THRESHOLD_STEPS = 32
+    #: Minibatches each executor task evaluates at once, by default (DL4J's evaluation workers).
+    DEFAULT_EVAL_WORKERS = 4
+
+    def __init__(self, sc, network, training_master=None):
+        self.sc = _spark_context(sc)
+        if not isinstance(network, Network):
+            raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__} (DL4J's "
+                            "configurations have no counterpart: build a dlspark.Network from a Model)")
+        if training_master is not None and not isinstance(training_master, TrainingMaster):
+            raise TypeError("training_master must be ParameterAveragingTrainingMaster.Builder(...).build(), "
+                            "SharedTrainingMaster.Builder(...).build() or None (evaluation and inference only), "
+                            f"got {type(training_master).__name__}")
+        self._network = network
+        self._master = training_master
+        self._trainer = None
+        self._exported = None  # ((context, rdd id, batch size), minibatch URLs) of the last RDD exported
+        self._score = math.nan
+
+    # -- training --------------------------------------------------------------------------
+    def _fit_trainer(self) -> DistributedTrainer:
+        if self._master is None:
+            raise ValueError(f"this {type(self).__name__} has no training master (None); pass one to fit, e.g. "
+                             f"{type(self).__name__}(sc, network, ParameterAveragingTrainingMaster.Builder(32)"
+                             ".build()); evaluation and inference need none")
+        client = dask_client(self.sc)
+        if self._trainer is None or self._trainer.client is not client:
+            self._trainer = DistributedTrainer(client, self._network, self._master.algorithm,
+                                               progress=progress_enabled())
+        self._trainer.network, self._trainer.master = self._network, self._master.algorithm
+        return self._trainer
+
+    def _fit_rdd(self, trainer, rdd):
+        master = self._master
+        if master.rdd_training_approach is RDDTrainingApproach.Direct:
+            # read twice (sized, then collected): persisted meanwhile, as DL4J persists at storageLevel
+            persist = not rdd.is_cached and master.storage_level is not None
+            if persist:
+                rdd.persist(spark_storage_level(master.storage_level))
+            try:
+                trainer.fit(rdd)
+            finally:
+                if persist:
+                    rdd.unpersist()
+            return
+        # Export: as DL4J, an RDD fitted again (another epoch) reuses its first export.
+        bs = master.algorithm.batch_size_per_worker
+        key = (id(rdd.context), rdd.id(), bs)
+        if self._exported is None or self._exported[0] != key:
+            ctx = SourceContext(trainer.client, bs, "export", export_dir=master.export_dir)
+            self._exported = (key, fit_minibatches(rdd, ctx).refs)
+        trainer.fit_paths(self._exported[1])
+
+    def _after_fit(self, trainer):
+        if trainer.loss_history:
+            self._score = float(trainer.loss_history[-1][2])
+        return self._network
+
+    def fit(self, data):
+        """Train one epoch on ``data``: an RDD of DataSets (or MultiDataSets, or minibatch
+        paths), or a directory (or glob) of minibatch files; returns the trained Network.
+
+        An RDD of DataSets is exported by the executors to minibatch files of
+        ``batchSizePerWorker`` examples (``RDDTrainingApproach.Export``); fitting the same RDD
+        again reuses those files. Anything ``DistributedTrainer.fit`` takes works as well.
+        """
+        trainer = self._fit_trainer()
+        if isinstance(data, str):
+            trainer.fit_paths(data)
+        elif _spark.is_rdd(data):
+            self._fit_rdd(trainer, data)
+        else:
+            trainer.fit(data)
+        return self._after_fit(trainer)
+
+    def fitPaths(self, paths, loader=None):
+        """Train one epoch from an RDD of minibatch file paths (their strings are collected;
+        the Dask workers read the files). ``loader``: ``path -> DataSet`` for another format."""
+        trainer = self._fit_trainer()
+        urls = _spark.collect_paths(paths, "fitPaths") if _spark.is_rdd(paths) else paths
+        trainer.fit_paths(urls, loader=loader)
+        return self._after_fit(trainer)
+
+    def fitMultiDataSet(self, data):
+        """Train one epoch on an RDD of MultiDataSets (or a directory of their minibatch files)."""
+        return self.fit(data)
+
+    def fitPathsMultiDataSet(self, paths, loader=None):
+        """Train one epoch from an RDD of paths of MultiDataSet minibatch files."""
+        return self.fitPaths(paths, loader)
+
+    # -- evaluation ------------------------------------------------------------------------
+    def _rdd(self, data, what):
+        if _spark.is_rdd(data):
+            return data
+        if isinstance(data, str):
+            paths = list_minibatches(data)  # names only: the executors read the files
+            return self.sc.parallelize(paths, max(1, min(len(paths), self.sc.defaultParallelism)))
+        raise TypeError(f"{what} takes an RDD (of DataSets, MultiDataSets or minibatch paths) or a directory "
+                        f"of minibatch files, got {type(data).__name__}")
+
+    def doEvaluation(self, data, *args, loader=None):
+        """Fill several evaluations in one pass over ``data``, on the executors:
+        ``doEvaluation(rdd, evalBatchSize, *evaluations)`` or
+        ``doEvaluation(rdd, evalNumWorkers, evalBatchSize, *evaluations)``; returns the list.
+
+        Partial evaluations merge on the executors with the core's ``merge``.
+        """
+        ints = []
+        rest = list(args)
+        while rest and _is_int(rest[0]) and len(ints) < 2:
+            ints.append(int(rest.pop(0)))
+        if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+            rest = list(rest[0])
+        if not ints:
+            raise TypeError("doEvaluation(rdd, [evalNumWorkers,] evalBatchSize, *evaluations), e.g. "
+                            "doEvaluation(rdd, 64, Evaluation(), ROCMultiClass()); the batch size is missing")
+        workers, batch = (self.DEFAULT_EVAL_WORKERS, ints[0]) if len(ints) == 1 else ints
+        return _spark.do_evaluation(self._rdd(data, "doEvaluation"), self._network, rest, batch, workers, loader)
+
+    def _one(self, evaluation, data, batch_size, loader, what):
+        rdd = self._rdd(data, what)
+        return _spark.do_evaluation(rdd, self._network, [evaluation], batch_size, self.DEFAULT_EVAL_WORKERS,
+                                    loader)[0]
+
+    def evaluate(self, data, labels_list=None, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE, loader=None):
+        """Classification :class:`Evaluation` over an RDD (or a directory of minibatch files).
+
+        DL4J's overloads work: ``evaluate(rdd)``, ``evaluate(rdd, labelsList)``,
+        ``evaluate(rdd, labelsList, batchSize)``, ``evaluate(path, batchSize, loader)``.
+        """
+        if _is_int(labels_list):
+            labels_list, batch_size, loader = None, labels_list, batch_size if callable(batch_size) else loader
+        elif callable(labels_list):
+            labels_list, loader = None, labels_list
+        if not _is_int(batch_size):
+            batch_size = self.DEFAULT_EVAL_SCORE_BATCH_SIZE
+        return self._one(Evaluation(labels=labels_list), data, batch_size, loader, "evaluate")
+
+    def evaluateRegression(self, data, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE, loader=None):
+        """:class:`RegressionEvaluation` over an RDD, on the executors."""
+        return self._one(RegressionEvaluation(), data, batch_size, loader, "evaluateRegression")
+
+    def evaluateROC(self, data, threshold_steps: int = DEFAULT_ROC_THRESHOLD_STEPS,
+                    batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE, loader=None):
+        """Binary :class:`ROC` (``threshold_steps`` bins; 0 = exact) over an RDD, on the executors."""
+        return self._one(ROC(threshold_steps), data, batch_size, loader, "evaluateROC")
+
+    def evaluateROCMultiClass(self, data, threshold_steps: int = DEFAULT_ROC_THRESHOLD_STEPS,
+                              batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE, loader=None):
+        """One-vs-all :class:`ROCMultiClass` over an RDD, on the executors."""
+        return self._one(ROCMultiClass(threshold_steps), data, batch_size, loader, "evaluateROCMultiClass")
+
+    # -- inference and scoring -------------------------------------------------------------
+    def feedForwardWithKey(self, features, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE):
+        """Keyed inference: a pair RDD of ``(key, features of one example)`` in, a pair RDD of
+        ``(key, outputs)`` out, in the same partitioning (lazy; the keys stay in Spark).
+        A graph with several inputs takes a tuple of arrays per key and gives a tuple."""
+        return _spark.predict_with_keys(features, self._network, batch_size)
+
+    def feedForwardWithMaskAndKey(self, features_and_mask, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE):
+        """:meth:`feedForwardWithKey` for a pair RDD of ``(key, (features, features_mask))``."""
+        return _spark.predict_with_keys(features_and_mask, self._network, batch_size, with_mask=True)
+
+    def scoreExamples(self, data, include_regularization: bool = False,
+                      batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE):
+        """Per-example loss, on the executors (lazy): an RDD of DataSets gives an RDD of floats;
+        a pair RDD of ``(key, DataSet)`` gives ``(key, loss)`` pairs in the same partitioning.
+
+        ``include_regularization`` changes nothing: weight decay lives in the optax updater,
+        not in the loss.
+        """
+        return _spark.score_examples(data, self._network, batch_size)
+
+    def calculateScore(self, data, average: bool = True, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE) -> float:
+        """The loss over an RDD of DataSets: the mean per example with ``average``, else the sum."""
+        return _spark.calculate_score(data, self._network, batch_size, average)
+
+    # -- accessors -------------------------------------------------------------------------
+    def getNetwork(self) -> Network:
+        """The dlspark Network (trained in place by ``fit``)."""
+        return self._network
+
+    def setNetwork(self, network: Network) -> None:
+        """Replace the network (the next fit, evaluation or inference uses it)."""
+        if not isinstance(network, Network):
+            raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__}")
+        self._network = network
+
+    def getSparkContext(self):
+        """The SparkContext."""
+        return self.sc
+
+    def getScore(self) -> float:
+        """The mean loss of the last round of the last fit (NaN before any fit)."""
+        return self._score
+
+    def getTrainingMaster(self):
+        """The training master (None for evaluation and inference only)."""
+        return self._master
+
+    def setCollectTrainingStats(self, collect: bool) -> None:
+        """Collect every round's statistics in the fits that follow (see :meth:`getSparkTrainingStats`)."""
+        if self._master is None:
+            raise ValueError("setCollectTrainingStats needs a training master; this network has None")
+        self._master.setCollectTrainingStats(collect)
+
+    def getSparkTrainingStats(self):
+        """:class:`SparkTrainingStats` of the rounds fitted while collecting, or None when not collecting."""
+        if self._master is None or not self._master.getCollectTrainingStats():
+            return None
+        return SparkTrainingStats(self._trainer.training_stats if self._trainer is not None else [])
+
+    def deleteTempFiles(self) -> bool:
+        """Delete the minibatch files exported from RDDs (the next fit of an RDD exports again)."""
+        self._exported = None
+        if self._trainer is not None:
+            self._trainer.delete_temp_files()
+        return self._master.deleteTempFiles(self.sc) if self._master is not None else True
+
+    def close(self) -> None:
+        """Delete temporary files. The Dask cluster stays (it is shared; see ``configure``)."""
+        self.deleteTempFiles()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@with_snake_aliases
+class SparkDl4jMultiLayer(_SparkNetwork):
+    """DL4J's ``SparkDl4jMultiLayer(sc, network, trainingMaster)`` for a dlspark Network.
+
+    Training runs on the Dask cluster (``dlspark.compat.configure``); evaluation,
+    scoring and keyed inference of RDDs run on the Spark executors.
+    Every method has a snake_case alias (``fit_paths``, ``do_evaluation``, ...).
+
+    Parameters
+    ----------
+    sc : pyspark SparkContext or SparkSession
+    network : dlspark.Network
+    training_master : ParameterAveragingTrainingMaster, SharedTrainingMaster or None
+        None for evaluation and inference only.
+
+    Examples
+    --------
+    >>> tm = ParameterAveragingTrainingMaster.Builder(32).batchSizePerWorker(32).build()  # doctest: +SKIP
+    >>> spark_net = SparkDl4jMultiLayer(sc, net, tm)  # doctest: +SKIP
+    >>> for epoch in range(10):  # doctest: +SKIP
+    ...     spark_net.fit(train_rdd)
+    >>> print(spark_net.evaluate(test_rdd).stats())  # doctest: +SKIP
+    """
+
+
+@with_snake_aliases
+class SparkComputationGraph(_SparkNetwork):
+    """DL4J's ``SparkComputationGraph(sc, network, trainingMaster)``: a network with several
+    inputs or outputs (MultiDataSets; tuples of arrays per key in keyed inference).
+
+    The same methods as :class:`SparkDl4jMultiLayer`, ``fitMultiDataSet`` and
+    ``fitPathsMultiDataSet`` included; evaluations use the first output, as the core's.
+    """
