@@ -66,6 +66,7 @@ def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fus
 
 def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ, fused=True):
     batch = BATCH[kind]
+    load = os.getloadavg()[0]
     before, cpu_before = plain_steps_per_second(kind, batch)
     job = wrapper_steps_per_second(kind, batch, freq, n_rounds, devices, fused)
     after, cpu_after = plain_steps_per_second(kind, batch)
@@ -78,6 +79,7 @@ def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ, fused=True):
             "efficiency_vs_concurrent": job["steps_per_s"] / concurrent,
             "plain_step_ms": 1000 / plain, "plain_drift": after / before,
             "data_wait_share": job["data_wait_share"], "params": job["params"],
+            "load_average": (load, os.getloadavg()[0]),  # other processes on the machine, before and after
             # CPU time per step (the wrapper's: per step of one device), a figure load on the machine moves less
             "cpu_ms_per_step_ratio": (cpu_before / before + cpu_after / after) / 2 * 1000 / job["cpu_ms_per_step"]}
 

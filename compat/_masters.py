@@ -114,6 +114,10 @@ class TrainingMaster:
         self._export_dirs.append(d)
         return d
 
+    def export_dirs(self) -> list:
+        """The export directories whose files have not been deleted yet."""
+        return list(self._export_dirs)
+
     def deleteTempFiles(self, sc=None) -> bool:
         """Delete the minibatch files this master's exports wrote (DL4J's ``deleteTempFiles(sc)``)."""
         import fsspec

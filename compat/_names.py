@@ -6,7 +6,7 @@ import difflib
 import enum
 import re
 
-__all__ = ["snake", "with_snake_aliases", "unknown_name", "Builder", "as_enum"]
+__all__ = ["snake", "with_snake_aliases", "unknown_name", "Builder", "as_enum", "DL4JEnum"]
 
 
 def snake(name: str) -> str:
@@ -30,7 +30,8 @@ def _public(obj) -> list:
 
 
 def unknown_name(owner: str, name: str, known) -> AttributeError:
-    """The error for a method ``owner`` lacks: the closest known names, and where the rest are."""
+    """The error for a method ``owner`` lacks, naming the closest known ones (or, if none is
+    close, every known one)."""
     known = list(known)
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
     if not close:

@@ -101,7 +101,7 @@ class _SparkNetwork:
         self._network = network
         self._master = training_master
         self._trainer = None
-        self._exported = None  # ((context, rdd id, batch size), minibatch URLs) of the last RDD exported
+        self._exported = None  # ((context, rdd id, batch size), export directory, URLs) of the last RDD exported
         self._score = math.nan
 
     # -- training --------------------------------------------------------------------------
@@ -130,17 +130,26 @@ class _SparkNetwork:
                 if persist:
                     rdd.unpersist()
             return
-        # Export: as DL4J, an RDD fitted again (another epoch) reuses its first export.
+        # Export: as DL4J, an RDD fitted again (another epoch) reuses its export while the
+        # master keeps the files (deleteTempFiles removes them).
         bs = master.algorithm.batch_size_per_worker
         key = (id(rdd.context), rdd.id(), bs)
-        if self._exported is None or self._exported[0] != key:
-            ctx = SourceContext(trainer.client, bs, "export", export_dir=master.export_dir)
-            self._exported = (key, fit_minibatches(rdd, ctx).refs)
-        trainer.fit_paths(self._exported[1])
+        cached = self._exported
+        if cached is None or cached[0] != key or cached[1] not in master.export_dirs():
+            used = []
+
+            def export_dir():
+                used.append(master.export_dir())
+                return used[-1]
+
+            refs = fit_minibatches(rdd, SourceContext(trainer.client, bs, "export", export_dir=export_dir)).refs
+            self._exported = cached = (key, used[-1] if used else None, refs)
+        trainer.fit_paths(cached[2])
 
     def _after_fit(self, trainer):
-        if trainer.loss_history:
-            self._score = float(trainer.loss_history[-1][2])
+        losses = [loss for _, _, loss in trainer.loss_history if loss is not None]
+        if losses:
+            self._score = float(losses[-1])
         return self._network
 
     def fit(self, data):

@@ -271,7 +271,11 @@ def test_parameter_averaging_minimal_example(sc, cluster):
     assert len(stats) > 0 and "loss" in stats.getKeySet() and "rounds" in stats.statsAsString()
     assert np.isfinite(sparkNet.getScore())
     assert too_big_for_the_driver(trainingData)
+    # one export, by the executors, served every epoch; deleteTempFiles removes it
+    [export] = trainingMaster.export_dirs()
+    assert len(os.listdir(export)) == per_epoch
     sparkNet.deleteTempFiles()
+    assert not os.path.exists(export) and trainingMaster.export_dirs() == []
 
 
 def write_shard(directory, n_parts, index, _):
