@@ -164,9 +164,9 @@ def run_network_fit(tr, te, target, max_epochs, name):
     net.state = net.init_state()  # the same network (and compiled steps), from the start
 
     def epoch():
-        net.fit(batches)
-        net.state.params  # noqa: B018
         import jax
+
+        net.fit(batches)
         jax.block_until_ready(net.state)
 
     r = _run_epochs(epoch, lambda: _acc(net, te), target, max_epochs)
