@@ -146,7 +146,8 @@ def build_steps(model, loss, updater) -> Steps:
             st, value, ok = train_step(st, batch)
             return st, (value, ok)
 
-        return jax.lax.scan(body, state, batches)
+        # unrolled: XLA's CPU backend runs a rolled loop of convolutions many times slower
+        return jax.lax.scan(body, state, batches, unroll=True)
 
     def output(state, x, fmask):
         return model.apply_eval(state.params, state.model_state, x, fmask)
