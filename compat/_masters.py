@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
+import weakref
 from dataclasses import replace
 
 from dlspark import GradientSharing, ParameterAveraging
@@ -88,6 +89,9 @@ class TrainingMaster:
         #: every builder setting, by DL4J's name
         self.settings = dict(settings)
         self._export_dirs: list = []
+        # local temporary exports go with the master (or the process) if deleteTempFiles was not called
+        self._local_dirs: list = []
+        weakref.finalize(self, _remove_local, self._local_dirs)
 
     # -- DL4J's accessors ----------------------------------------------------------------
     def getBatchSizePerWorker(self) -> int:
@@ -109,6 +113,7 @@ class TrainingMaster:
         if base is None:
             d = tempfile.mkdtemp(prefix="dlspark-spark-export-")
             self._export_dirs.append(d)
+            self._local_dirs.append(d)
             return d
         d = url_join(base, uuid.uuid4().hex)
         self._export_dirs.append(d)
@@ -118,22 +123,37 @@ class TrainingMaster:
         """The export directories whose files have not been deleted yet."""
         return list(self._export_dirs)
 
+    def discard_export_dir(self, directory: str) -> None:
+        """Delete one export directory now (an export that failed, or wrote nothing)."""
+        _remove(directory)
+        for dirs in (self._export_dirs, self._local_dirs):
+            if directory in dirs:
+                dirs.remove(directory)
+
     def deleteTempFiles(self, sc=None) -> bool:
         """Delete the minibatch files this master's exports wrote (DL4J's ``deleteTempFiles(sc)``)."""
-        import fsspec
-
-        for d in self._export_dirs:
-            if "://" in d:
-                fs, path = fsspec.core.url_to_fs(d)
-                if fs.exists(path):
-                    fs.rm(path, recursive=True)
-            else:
-                shutil.rmtree(d, ignore_errors=True)
-        self._export_dirs = []
+        for d in list(self._export_dirs):
+            self.discard_export_dir(d)
         return True
 
     def __repr__(self):
         return f"{type(self).__name__}({self.algorithm!r})"
+
+
+def _remove(directory):
+    if "://" in directory:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(directory)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _remove_local(dirs):
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _parse_counts(args, what):

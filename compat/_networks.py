@@ -142,7 +142,14 @@ class _SparkNetwork:
                 used.append(master.export_dir())
                 return used[-1]
 
-            refs = fit_minibatches(rdd, SourceContext(trainer.client, bs, "export", export_dir=export_dir)).refs
+            try:
+                refs = fit_minibatches(rdd, SourceContext(trainer.client, bs, "export", export_dir=export_dir)).refs
+            except BaseException:
+                for d in used:
+                    master.discard_export_dir(d)
+                raise
+            if used and not any(r.startswith(used[-1]) for r in refs[:1]):  # an RDD of paths: nothing written
+                master.discard_export_dir(used[-1])
             self._exported = cached = (key, used[-1] if used else None, refs)
         trainer.fit_paths(cached[2])
 

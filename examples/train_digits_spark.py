@@ -1,7 +1,8 @@
 """Train an MLP on the handwritten digits with DL4J-on-Spark's API: Spark holds the data, Dask trains.
 
     python examples/train_digits_spark.py                    # parameter averaging
-    python examples/train_digits_spark.py --sharing          # gradient sharing
+    python examples/train_digits_spark.py --sharing --epochs 20   # gradient sharing (slower to converge
+                                                                  # at DL4J's default sparsity band)
     python examples/train_digits_spark.py --scheduler tcp://10.0.0.5:8786   # an existing Dask cluster
 
 The shape is DL4J's: a SparkContext, an RDD of DataSets built on the executors,

@@ -29,6 +29,7 @@ from dlspark.errors import CorruptMinibatchError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N_KEYED = 10_000
+N_TRAIN = 1438  # dlspark.datasets.digits()'s training examples
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -116,7 +117,8 @@ def test_importing_compat_imports_no_pyspark(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
-def test_builders_take_dl4j_names_and_defaults():
+def test_builders_take_dl4j_names_and_defaults(digits):
+    assert len(digits[0]) == N_TRAIN
     pa = ParameterAveragingTrainingMaster.Builder(8).build()
     a = pa.algorithm
     assert (a.batch_size_per_worker, a.averaging_frequency, a.worker_prefetch_num_batches,
@@ -221,7 +223,7 @@ def test_gradient_sharing_minimal_example(sc, cluster):
     batchSizePerWorker, numWorkersPerNode, numEpochs = 16, 1, 20
     # Sparse updates (at most 1% of the elements a step, DL4J's default band) train slowly on a
     # network this small: a wider layer, and a learning rate that decays to 0 over the epochs.
-    steps = numEpochs * 1437 // (2 * batchSizePerWorker)
+    steps = numEpochs * N_TRAIN // (2 * batchSizePerWorker)
     model = new_net(hidden=256, updater=optax.adam(optax.cosine_decay_schedule(1e-2, steps)))
 
     conf = (VoidConfiguration.builder()
@@ -251,7 +253,7 @@ def test_parameter_averaging_minimal_example(sc, cluster):
     # intro.md's "Parameter Averaging Implementation", line by line: one example per DataSet object
     trainingData = digits_rdd(sc, "train", 1)
     numEpochs = 8
-    model = new_net(hidden=256, updater=optax.adam(optax.cosine_decay_schedule(1e-2, numEpochs * 1437 // 32)))
+    model = new_net(hidden=256, updater=optax.adam(optax.cosine_decay_schedule(1e-2, numEpochs * N_TRAIN // 32)))
 
     examplesPerDataSetObject = 1
     trainingMaster = (ParameterAveragingTrainingMaster.Builder(examplesPerDataSetObject)
@@ -263,7 +265,7 @@ def test_parameter_averaging_minimal_example(sc, cluster):
         sparkNet.fit(trainingData)
 
     # the executors rebatched each partition's one-example DataSets into minibatches of 16
-    per_epoch = sum(-(-len(range(p, 1437, 4)) // 16) for p in range(4))
+    per_epoch = sum(-(-len(range(p, N_TRAIN, 4)) // 16) for p in range(4))
     assert model.iteration == numEpochs * per_epoch
     evaluation = sparkNet.evaluate(digits_rdd(sc, "test", 7))
     assert evaluation.accuracy() >= 0.95, evaluation.stats()
@@ -302,6 +304,9 @@ def test_fit_paths_on_files_written_by_spark_executors(sc, cluster, tmp_path):
     _, test = local_digits()
     accuracy = float((model.output(test.features).argmax(1) == test.labels.argmax(1)).mean())
     assert accuracy >= 0.95, accuracy
+    # the core takes the path RDD too (the pyspark data source): evaluation on the Dask workers
+    on_dask = DistributedTrainer(cluster, model, progress=False).evaluate(paths)
+    assert on_dask.count == N_TRAIN
 
     # a path to a missing file: the error names it, and the cluster trains on
     missing = str(tmp_path / "minibatches" / "missing.npz")
@@ -492,3 +497,27 @@ def test_graph_multidatasets_export_and_tuple_inference(sc, tmp_path):
                        -np.arange(50, dtype=np.float32)[:, None] * np.ones(2, np.float32)))
     assert sorted(out) == list(range(50))
     assert all(np.allclose(out[i][0], a[i], atol=1e-5) and np.allclose(out[i][1], b[i], atol=1e-5) for i in out)
+
+
+@pytest.mark.slow
+def test_the_dask_cluster_comes_from_configure_or_the_spark_conf(cluster):
+    from types import SimpleNamespace
+
+    SparkConf = pytest.importorskip("pyspark").SparkConf
+    from dlspark.compat import SCHEDULER_CONF_KEY, _cluster
+
+    address = cluster.scheduler.address
+    assert _cluster.dask_client(None) is cluster  # configure(client=...) comes first
+    dlspark.compat.configure(client=None)
+    try:
+        conf = SparkConf(loadDefaults=False).set(SCHEDULER_CONF_KEY, address)
+        from_conf = _cluster.dask_client(SimpleNamespace(getConf=lambda: conf))
+        assert from_conf is not cluster and from_conf.scheduler.address == address
+        dlspark.compat.configure(client=address)  # an address works too
+        assert _cluster.dask_client(None) is from_conf
+        with pytest.raises(TypeError, match="client must be a distributed.Client or a scheduler address"):
+            dlspark.compat.configure(client=42)
+    finally:
+        dlspark.compat.configure(client=cluster)
+        while _cluster._BY_ADDRESS:
+            _cluster._BY_ADDRESS.popitem()[1].close()
