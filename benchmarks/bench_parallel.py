@@ -3,7 +3,10 @@
 efficiency = (steps/s of one device inside a ParallelWrapper fit) / (steps/s of
 the same jitted step in a plain process pinned to one core). The wrapper runs
 in a fresh process, where JAX starts with ``jax_num_cpu_devices`` = devices and
-which may use as many cores; the baseline is measured in the same run, before
+which may use as many cores: XLA's default, one pool of threads that both devices'
+ops share (``one_thread=True`` sets ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``
+there: each device's ops on one thread, as the pinned baseline's are). The
+baseline is measured in the same run, before
 and after, and averaged (``efficiency_vs_concurrent`` divides by plain processes run side
 by side, one pinned to each core). The steps/s of the wrapper come from its round
 statistics, leaving out the first two rounds (as ``bench_efficiency.py`` does
@@ -50,7 +53,7 @@ def run_wrapper(kind, batch, freq, n_rounds, devices, fused=True):
             "device": str(wrapper.devices[0].platform)}
 
 
-def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fused=True):
+def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fused=True, one_thread=False):
     code = textwrap.dedent(f"""
         import json, os, sys
         os.sched_setaffinity(0, set(range({devices})))  # before JAX starts
@@ -60,19 +63,23 @@ def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fus
         from bench_parallel import run_wrapper
         print(json.dumps(run_wrapper({kind!r}, {batch}, {freq}, {n_rounds}, {devices}, {fused})))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = dict(os.environ)
+    if one_thread:  # each device's ops on one thread, as the pinned baseline's are
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ, fused=True):
+def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ, fused=True, one_thread=False):
     batch = BATCH[kind]
     load = os.getloadavg()[0]
     before, cpu_before = plain_steps_per_second(kind, batch)
-    job = wrapper_steps_per_second(kind, batch, freq, n_rounds, devices, fused)
+    job = wrapper_steps_per_second(kind, batch, freq, n_rounds, devices, fused, one_thread)
     after, cpu_after = plain_steps_per_second(kind, batch)
     plain = (before + after) / 2
     concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(devices)))
     return {"algorithm": "averaging", "network": kind, "devices": devices, "frequency": freq, "fused_steps": fused,
+            "one_thread_per_device": one_thread,
             "wrapper_steps_per_s_per_device": job["steps_per_s"], "plain_steps_per_s": plain,
             "efficiency": job["steps_per_s"] / plain,
             "efficiency_whole_fit": job["whole_fit_steps_per_s"] / plain,

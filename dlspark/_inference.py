@@ -22,6 +22,7 @@ import numpy as np
 
 from ._netcache import network_at
 from .data._sources import SourceContext, evaluation_parts, in_memory_examples, keyed_items, load_ref
+from .data._sources import keyed_features as require_keyed
 
 __all__ = ["network_blob", "scatter_network", "do_evaluation", "predict_with_keys", "score_examples",
            "evaluate_part", "merge_evaluations", "predict_stacked", "predict_part", "score_part"]
@@ -155,11 +156,7 @@ def predict_with_keys(client, net_future, keyed_features, batch_size, features_m
     workers : list of str, optional
         Worker addresses that receive the blocks of examples; default: all.
     """
-    keyed = keyed_items(keyed_features)
-    if keyed is None:
-        raise TypeError("keyed features must be a dict, a list of (key, array) pairs or a dask bag, "
-                        f"got {type(keyed_features).__name__}")
-    kind, items = keyed
+    kind, items = require_keyed(keyed_features)
     if kind == "bag":
         import dask
         import dask.bag as db

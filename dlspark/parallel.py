@@ -34,6 +34,7 @@ from .checkpoint import state_to_bytes
 from .data import as_dataset, list_minibatches, load_ref
 from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_examples, is_dask_collection,
                             keyed_items, local_batches)
+from .data._sources import keyed_features as require_keyed
 from .distributed._client import _progress_bar, _resume
 from .distributed._plan import Coordinator
 from .evaluation import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
@@ -132,8 +133,9 @@ class _Rounds:
 
     Planning is deterministic here (no replica is ever lost), so the loading thread
     plans too: each item is a round with its minibatches already on their devices,
-    stacked ``[replica, step, ...]`` when every replica has as many of one shape (a
-    *regular* round), else per replica. ``ahead`` rounds wait in the queue (0: load
+    stacked ``[replica, step, ...]`` (or, with ``fused_steps=False``, ``[replica, ...]``
+    per step) when every replica has as many of one shape (a *regular* round), else
+    per replica. ``ahead`` rounds wait in the queue (0: load
     on the caller's thread).
     """
 
@@ -244,21 +246,9 @@ def _mean_over_devices(state, contributes, n):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _train_steps(steps, state, batches):
-    """``Network.steps.train_steps`` (``train_step`` scanned over the stacked minibatches),
-    unrolled: XLA's CPU backend runs convolutions inside a rolled loop about 25 times slower
-    (jax 0.10.2: 460 against 19 ms a step for the benchmarks' CNN; the MLP is unaffected),
-    and a round is a handful of steps."""
-    def body(st, batch):
-        st, value, ok = steps.train_step(st, batch)
-        return st, (value, ok)
-
-    return jax.lax.scan(body, state, batches, unroll=True)
-
-
 def _round_function(net, master, mesh, fit: bool):
     """The compiled round: with ``fit``, every replica runs its stacked minibatches
-    (:func:`_train_steps`), then the replicas average and take
+    (``Network.steps.train_steps``), then the replicas average and take
     the outer step; without, the replicas (already fitted) only average."""
     steps, updater, tx = net.steps, net.updater, master.outer_updater
 
@@ -271,7 +261,7 @@ def _round_function(net, master, mesh, fit: bool):
             if not master.save_updater:
                 st = st.replace(opt_state=updater.init(st.params))
             st = st.replace(epoch=epoch)
-            st, (losses, oks) = _train_steps(steps, st, _first(batches))
+            st, (losses, oks) = steps.train_steps(st, _first(batches))
         else:
             start = _first(start)
         # in a fitting call every replica has minibatches: all of them contribute
@@ -662,11 +652,7 @@ class ParallelWrapper:
     def predict_with_keys(self, keyed_features, batch_size: int = 64, features_mask=None):
         """Keyed inference: a dict, a list of ``(key, array)`` pairs or a dask bag of pairs in,
         the same kind of keyed outputs out. ``features_mask`` maps keys to per-example masks."""
-        keyed = keyed_items(keyed_features)
-        if keyed is None:
-            raise TypeError("keyed features must be a dict, a list of (key, array) pairs or a dask bag, "
-                            f"got {type(keyed_features).__name__}")
-        kind, items = keyed
+        kind, items = require_keyed(keyed_features)
         if kind == "bag":
             import dask.bag as db
 

@@ -34,7 +34,7 @@ from ._dataset import DataSet, MultiDataSet, as_dataset
 from ._files import list_minibatches, load_minibatch, save_dataset
 
 __all__ = ["Source", "SourceContext", "Minibatches", "register_source", "unregister_source", "fit_minibatches",
-           "path_minibatches", "evaluation_parts", "local_batches", "in_memory_examples", "keyed_items",
+           "path_minibatches", "evaluation_parts", "local_batches", "in_memory_examples", "keyed_items", "keyed_features",
            "load_ref", "reject_memory", "check_unique", "is_dask_collection"]
 
 _APPROACHES = ("export", "direct")
@@ -294,6 +294,15 @@ def keyed_items(data, of: str = "features"):
         return None
     check_unique([k for k, _ in data], f"keyed {of}")
     return "list", data
+
+
+def keyed_features(data):
+    """:func:`keyed_items` of keyed inference's input, or a TypeError naming what it takes."""
+    keyed = keyed_items(data)
+    if keyed is None:
+        raise TypeError("keyed features must be a dict, a list of (key, array) pairs or a dask bag, "
+                        f"got {type(data).__name__}")
+    return keyed
 
 
 # -- resolving one reference on a worker ------------------------------------------------

@@ -24,7 +24,7 @@ from .. import config
 from ._machine import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish, Join, JobMachine,
                        JoinFailed, Joined, Probe, Probed, Replied, Send, Settings, Start, Timer, WorkerJoined,
                        WorkerLost)
-from ._messages import ErrorReply, JobOptions
+from ._messages import ErrorReply, JobOptions, RngOrder
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class _JobShell:
         alive = False
         if not self._gone(addr):
             try:
-                resp = await self.scheduler.rpc(addr).dlspark_order(job=self.job, order=to_serialize(_rng_order()))
+                resp = await self.scheduler.rpc(addr).dlspark_order(job=self.job, order=to_serialize(RngOrder()))
                 alive = "reply" in resp
             except Exception:
                 alive = False
@@ -148,12 +148,6 @@ class _JobShell:
         self.result = {"error": to_serialize(ErrorReply.from_exception(RuntimeError(i.reason)))}
         self.done.set()
         self._spawn(self.plugin._finish(self.job))
-
-
-def _rng_order():
-    from ._messages import RngOrder
-
-    return RngOrder()
 
 
 class DlsparkSchedulerPlugin(SchedulerPlugin):

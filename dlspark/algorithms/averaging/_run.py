@@ -202,7 +202,7 @@ class AveragingRun(WorkerRun):
         done = AverageReply(avg_time=0.0, fetch_time=0.0, bytes_received=0, contributors=tuple(contributors))
         if contributors == [self.address] and self.contributions.get(round) is not None:
             # Sole contributor: the mean is its own state after its fit.
-            await self.compute(self._set_leaves_then_outer, round, self._own_contribution(round))
+            await self.compute(self._then_outer, round, self.set_leaves, self._own_contribution(round))
             return replace(done, avg_time=time.perf_counter() - t0)
         if not contributors and round in self.untouched:
             # Every contributor was lost. (A replica that fit this round is among the
@@ -222,17 +222,14 @@ class AveragingRun(WorkerRun):
             nbytes += sum(np.asarray(x).nbytes for x in resp.leaves)
             contribs.append(resp.leaves)
         t_fetch = time.perf_counter() - t0
-        await self.compute(self._average_then_outer, round, contribs)
+        await self.compute(self._then_outer, round, self._average_into_state, contribs)
         self._drop_device_copy(round)
         return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
                             contributors=tuple(contributors))
 
-    def _set_leaves_then_outer(self, round, leaves):
-        self.set_leaves(leaves)
-        self._outer_step(round)
-
-    def _average_then_outer(self, round, contribs):
-        self._average_into_state(contribs)
+    def _then_outer(self, round, combine, *args):
+        """Put the round's mean into the state (``combine(*args)``), then take the outer step."""
+        combine(*args)
         self._outer_step(round)
 
     def _restore_untouched(self, round):
@@ -299,14 +296,10 @@ class AveragingRun(WorkerRun):
                 nbytes += sum(np.asarray(x).nbytes for x in values)
             all_pieces += share_pieces(sizes, *share_bounds(sizes, n, k))
             all_values += values
-        await self.compute(self._set_floats_then_outer, round, floats, all_pieces, all_values)
+        await self.compute(self._then_outer, round, self._set_floats, floats, all_pieces, all_values)
         self._drop_device_copy(round)
         return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
                             contributors=tuple(contributors))
-
-    def _set_floats_then_outer(self, round, floats, pieces, values):
-        self._set_floats(floats, pieces, values)
-        self._outer_step(round)
 
     # -- requests from peers ----------------------------------------------------------
     async def peer_contribution(self, round: int, share: list | None = None):
