@@ -53,6 +53,14 @@ class Steps(NamedTuple):
     the host and still stop where the first bad one was. ``train_steps(state,
     batches) -> (state, (losses, applied))`` runs ``train_step`` over
     minibatches stacked on a leading axis, in one compiled call (``lax.scan``).
+    ``bare_step(state, batch) -> (state, loss)`` is the step with no check: it
+    applies the update whatever it holds. A loop checks a window of bare steps at
+    once with ``window_end(state, losses, epochs) -> (state, copy of state, finite,
+    stacked losses)``, which also adds ``epochs`` to the epoch counter: ``finite``
+    is false when a parameter is not finite (one that a non-finite update reached
+    stays so), and the copy is where the next window can be replayed from, with
+    ``train_step``, when a loss or ``finite`` says a step was not finite.
+    ``copy_state(state)`` copies the state (the steps donate theirs).
     """
 
     train_step: Callable
@@ -63,6 +71,9 @@ class Steps(NamedTuple):
     per_example_loss: Callable
     guarded_step: Callable
     train_steps: Callable
+    bare_step: Callable
+    window_end: Callable
+    copy_state: Callable
 
 
 def _resolve_losses(loss):
@@ -129,8 +140,7 @@ def build_steps(model, loss, updater) -> Steps:
     def train_step(state, batch):
         updates, opt, mstate, rng, value = compute_update(state, batch)
         new = apply_update(state, updates, opt, mstate, rng)
-        leaves = jax.tree_util.tree_leaves(updates)
-        ok = jnp.isfinite(value) & jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in leaves]))
+        ok = finite(value, updates)
         # A non-finite step leaves params and updater state as they were (the
         # rng still advances, so "skip" does not replay the same dropout mask).
         kept = state.replace(rng=rng)
@@ -140,6 +150,23 @@ def build_steps(model, loss, updater) -> Steps:
         new, value, ok = train_step(state, batch)
         out = jax.tree_util.tree_map(lambda a, b: jnp.where(halted, b, a), new, state)
         return out, value, ok & ~halted, halted | ~ok
+
+    def finite(value, updates):
+        leaves = jax.tree_util.tree_leaves(updates)
+        return jnp.isfinite(value) & jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in leaves]))
+
+    def bare_step(state, batch):
+        updates, opt, mstate, rng, value = compute_update(state, batch)
+        return apply_update(state, updates, opt, mstate, rng), value
+
+    def copy_state(state):
+        return jax.tree_util.tree_map(lambda x: x.copy(), state)
+
+    def window_end(state, losses, epochs):
+        state = state.replace(epoch=state.epoch + epochs)
+        leaves = [x for x in jax.tree_util.tree_leaves(state.params) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
+        return state, copy_state(state), finite, jnp.stack(losses)
 
     def train_steps(state, batches):
         def body(st, batch):
@@ -178,6 +205,9 @@ def build_steps(model, loss, updater) -> Steps:
         per_example_loss=jax.jit(per_example_loss),
         guarded_step=jax.jit(guarded_step, donate_argnums=(0,)),
         train_steps=jax.jit(train_steps, donate_argnums=(0,)),
+        bare_step=jax.jit(bare_step, donate_argnums=(0,)),
+        window_end=jax.jit(window_end, donate_argnums=(0,)),
+        copy_state=jax.jit(copy_state),
     )
     return steps
 
@@ -302,7 +332,8 @@ class Network:
         """Raise a clear error if ``ds`` cannot be fed to this network (checked once per shape)."""
         x, y, fm, lm = batch = ds.jit_batch()
         leaves, treedef = jax.tree_util.tree_flatten(batch)
-        key = (treedef, tuple((np.shape(a)[1:], np.asarray(a).dtype.str) for a in leaves))
+        key = (treedef, tuple((a.shape[1:], a.dtype) if hasattr(a, "dtype") else (np.shape(a)[1:], np.asarray(a).dtype)
+                              for a in leaves))
         if key in self._checked_shapes:
             return
         try:
@@ -361,11 +392,8 @@ class Network:
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=epochs * len(batches) if hasattr(batches, "__len__") else None, unit="batch")
-        steps = self.steps
-        guarded = self.on_nonfinite == "raise"
-        halted = jnp.zeros((), bool)
-        it = int(self.state.step)
-        pending: list = []  # (iteration, loss, applied) still on the device
+        window: list = []  # (minibatch, loss on the device) of the steps since the last check
+        start, first = self._window_start(), int(self.state.step)  # a copy of the window's first state
         try:
             for _ in range(epochs):
                 order = list(batches) if hasattr(batches, "__len__") else batches
@@ -375,21 +403,29 @@ class Network:
                 for mb in order:
                     batch = self._device_batch(load_minibatch(mb) if are_urls else mb)
                     # No host sync per step: steps queue up on the device while Python prepares
-                    # the next ones; losses are read back every _SYNC_EVERY steps.
-                    if guarded:
-                        self.state, loss, ok, halted = steps.guarded_step(self.state, batch, halted)
-                    else:
-                        self.state, loss, ok = steps.train_step(self.state, batch)
-                    pending.append((it, loss, ok))
-                    it += 1
-                    if len(pending) >= _SYNC_EVERY:
-                        self._settle(pending, bar)
-                self._settle(pending, bar)
-                self.state = self.state.replace(epoch=self.state.epoch + 1)
+                    # the next ones, and are checked and read back every _SYNC_EVERY steps.
+                    self.state, loss = self.steps.bare_step(self.state, batch)
+                    window.append((batch, loss))
+                    if len(window) == _SYNC_EVERY:
+                        first, start = self._settle(window, start, first, bar, epochs=0)
+                if window:
+                    first, start = self._settle(window, start, first, bar, epochs=1)
+                else:  # each its own array: the state's are donated to the next step
+                    self.state = self.state.replace(epoch=self.state.epoch + 1)
+                    start = start.replace(epoch=start.epoch + 1)
+            self._start = (self.state, start)
         finally:
             if bar is not None:
                 bar.close()
         return self
+
+    def _window_start(self):
+        """A copy of the state, to replay a window from: the one the last fit left when the
+        state is still the one it ended with."""
+        kept = self.__dict__.pop("_start", None)
+        if kept is not None and kept[0] is self.state:
+            return kept[1]
+        return self.steps.copy_state(self.state)
 
     def _device_batch(self, ds):
         ds = as_dataset(ds)
@@ -398,21 +434,50 @@ class Network:
         # for a fraction of what a jnp.asarray per array costs in Python
         return ds.jit_batch()
 
-    def _settle(self, pending, bar):
-        """Read back the pending steps' losses: record them, and apply the non-finite policy to
-        the first bad one (under "raise" the guarded steps after it changed nothing)."""
-        if not pending:
-            return
-        losses, oks = jax.device_get(([p[1] for p in pending], [p[2] for p in pending]))
-        its = [p[0] for p in pending]
-        pending.clear()
-        for i, loss, ok in zip(its, losses, oks):
-            if not ok:
-                self.nonfinite(i, float(loss))
-                continue
-            self.score_history.append((i, float(loss)))
+    def _settle(self, window, start, first, bar, epochs):
+        """Check and read back the bare steps of ``window`` (one transfer) and record their losses.
+
+        When a loss, or the parameters at the window's end, are not finite, the window is
+        replayed from ``start`` (the state before it; the steps are deterministic) under
+        the non-finite policy: "raise" redoes the steps before the first bad one and
+        raises, leaving the parameters from before it; "skip" redoes the window with
+        ``train_step``, which leaves the state unchanged by a bad step. Adds ``epochs``
+        to the epoch counter and empties ``window``; returns the iteration of the next
+        step and the next window's start.
+        """
+        batches, losses = zip(*window)
+        n = len(window)
+        window.clear()
+        # always _SYNC_EVERY losses (the last repeated), so that one program serves every window
+        self.state, following, ok, losses = self.steps.window_end(
+            self.state, losses + losses[-1:] * (_SYNC_EVERY - n), epochs)
+        losses, ok = jax.device_get((losses, ok))
+        losses = losses[:n]
+        oks = np.isfinite(losses)
+        if not (ok and oks.all()):
+            self.state = self.steps.copy_state(start)  # train_step donates what it is given
+            replayed = []
+            for batch in batches:
+                self.state, loss, ok = self.steps.train_step(self.state, batch)
+                replayed.append((loss, ok))
+            losses, oks = (np.asarray(v) for v in zip(*jax.device_get(replayed)))
+            if self.on_nonfinite == "raise":
+                bad = int(np.argmin(oks))
+                self.state = start
+                for batch in batches[:bad]:
+                    self.state, _ = self.steps.bare_step(self.state, batch)
+                self._record(range(first, first + bad), losses[:bad], bar)
+                self.nonfinite(first + bad, float(losses[bad]))
+            self.state = self.state.replace(epoch=self.state.epoch + epochs)
+            following = self.steps.copy_state(self.state)
+        self._record([first + i for i in range(n) if oks[i]], losses[oks], bar)
         if bar is not None:
-            bar.update(len(its))
+            bar.update(n)
+        return first + n, following
+
+    def _record(self, iterations, losses, bar):
+        self.score_history.extend((i, float(x)) for i, x in zip(iterations, losses))
+        if bar is not None and len(losses):
             bar.set_postfix(loss=f"{float(losses[-1]):.4g}", refresh=False)
 
     def fit_minibatch(self, ds) -> float:

@@ -172,12 +172,14 @@ def test_train_step_is_compiled_once(make_net, digits):
     net = make_net()
     net.fit(tr[:640], batch_size=64)
     net.fit(tr[:640], batch_size=64)
-    # local fit runs the guarded step (on_nonfinite="raise"), the skipping one the plain step
-    assert net.steps.guarded_step._cache_size() == 1
+    # local fit runs the bare step under either policy; train_step only replays a window
+    # that held a non-finite step
+    assert net.steps.bare_step._cache_size() == 1
+    assert net.steps.train_step._cache_size() == 0
     skipper = make_net(on_nonfinite="skip")
     skipper.fit(tr[:640], batch_size=64)
     skipper.fit(tr[:640], batch_size=64)
-    assert skipper.steps.train_step._cache_size() == 1
+    assert skipper.steps.bare_step._cache_size() == 1
 
 
 def test_a_non_finite_step_mid_fit_stops_there_though_later_steps_were_already_queued(make_net, digits):
@@ -196,6 +198,50 @@ def test_a_non_finite_step_mid_fit_stops_there_though_later_steps_were_already_q
     assert net.iteration == 3 and len(net.score_history) == 3
     for x, y in zip(jax.tree_util.tree_leaves(net.state.params), jax.tree_util.tree_leaves(ref.state.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+class _FiniteOutputs(nn.Module):
+    """A model whose outputs hide a non-finite input: the loss stays finite, the gradient does not."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(10)(x)
+        return jnp.where(jnp.isfinite(h), h, 0.0)
+
+
+def test_a_non_finite_update_behind_a_finite_loss_is_caught(make_net, digits):
+    # Local fit checks a window's losses and the parameters at its end; an update that is not
+    # finite while the loss is must still stop the fit at its step.
+    tr, _ = digits
+    bad = tr.features[:32].copy()
+    bad[0, 0] = np.inf
+    good = tr[:320].batches(32)
+    net = make_net(module=_FiniteOutputs())
+    with pytest.raises(NonFiniteLossError, match="iteration 2"):
+        net.fit(good[:2] + [DataSet(bad, tr.labels[:32])] + good[2:])
+    ref = make_net(module=_FiniteOutputs())
+    ref.fit(good[:2])
+    assert net.iteration == 2 and len(net.score_history) == 2
+    for x, y in zip(jax.tree_util.tree_leaves(net.state.params), jax.tree_util.tree_leaves(ref.state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_skip_mid_window_replays_the_window_and_leaves_out_only_the_bad_step(make_net, digits):
+    # The window of steps read back together is replayed from its start when one step was
+    # not finite: the steps after the bad one must train as if it had not been there.
+    tr, _ = digits
+    bad = tr.features[:32].copy()
+    bad[0, 0] = np.nan
+    good = tr[:320].batches(32)
+    skipper = make_net(on_nonfinite="skip")
+    skipper.fit(good[:4] + [DataSet(bad, tr.labels[:32])] + good[4:])
+    ref = make_net()
+    ref.fit(good)
+    assert skipper.iteration == len(good) and len(skipper.score_history) == len(good)
+    np.testing.assert_allclose([x for _, x in skipper.score_history], [x for _, x in ref.score_history],
+                               rtol=1e-5)
+    for x, y in zip(jax.tree_util.tree_leaves(skipper.state.params), jax.tree_util.tree_leaves(ref.state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
 def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_time(make_net, digits):

@@ -104,6 +104,7 @@ class AveragingRun(WorkerRun):
                 n_examples += n
         self.state = state
         # One device-to-host transfer per round, not per step.
+        losses, oks = jax.device_get((list(losses), list(oks)))
         oks = [bool(x) for x in oks]
         for i, ok in enumerate(oks):
             if not ok:
