@@ -8,7 +8,11 @@ import os
 import subprocess
 import sys
 
-__all__ = ["local_cluster", "default_worker_count", "gpu_devices"]
+from ._versions import CHECKED_PACKAGES, check_versions, cluster_versions, version_table
+
+__all__ = ["local_cluster", "slurm_cluster", "jobqueue_options", "default_worker_count", "gpu_devices",
+           "worker_env", "keep_client_on_cpu", "check_versions", "cluster_versions", "version_table",
+           "CHECKED_PACKAGES"]
 
 #: Set in every worker's environment before JAX starts there.
 WORKER_ENV = {
@@ -28,7 +32,10 @@ WORKER_ENV = {
 WORKER_CONFIG = {
     "distributed.worker.multiprocessing-method": "spawn",
     "distributed.worker.profile.enabled": False,
-    "distributed.nanny.pre-spawn-environ": {"OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1},
+    # None unsets a default, also where these settings arrive as DASK_* variables (batch jobs),
+    # which Dask merges into its defaults rather than replacing them.
+    "distributed.nanny.pre-spawn-environ": {"OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1,
+                                            "MALLOC_TRIM_THRESHOLD_": None},
     # The nannies live in the client's process, beside the scheduler; their
     # 100 ms memory polls and the system monitors cost ~10% of a core here,
     # taken from whichever worker shares that core.
@@ -93,7 +100,101 @@ def default_worker_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def local_cluster(n_workers: int | None = None, *, devices=None, **kwargs):
+def _setting(value, key):
+    from . import config
+
+    return config.get(key) if value is None else value
+
+
+def worker_env(*, preallocate: bool | None = None, memory_fraction: float | None = None,
+               platform: str | None = None) -> dict:
+    """The environment a dlspark worker gets before JAX starts in it.
+
+    Parameters
+    ----------
+    preallocate : bool, optional
+        ``XLA_PYTHON_CLIENT_PREALLOCATE``: with ``False`` (the default,
+        ``dlspark.worker.preallocate``) JAX takes GPU memory as it needs it
+        rather than 75% of the GPU at start.
+    memory_fraction : float, optional
+        ``XLA_PYTHON_CLIENT_MEM_FRACTION``: the share (0, 1] of its GPU a
+        worker's JAX may take (``dlspark.worker.memory-fraction``; the role of
+        DL4J's ``javacpp.maxbytes``).
+    platform : str, optional
+        ``JAX_PLATFORMS`` for the workers (``dlspark.worker.platform``); by
+        default they inherit it.
+    """
+    preallocate = _setting(preallocate, "worker.preallocate")
+    memory_fraction = _setting(memory_fraction, "worker.memory-fraction")
+    platform = _setting(platform, "worker.platform")
+    if not isinstance(preallocate, bool):
+        raise TypeError(f"preallocate must be True or False, got {preallocate!r}")
+    env = dict(WORKER_ENV, XLA_PYTHON_CLIENT_PREALLOCATE=str(preallocate).lower())
+    if memory_fraction is not None:
+        try:
+            fraction = float(memory_fraction)
+        except (TypeError, ValueError):
+            fraction = float("nan")
+        if not 0 < fraction <= 1:
+            raise ValueError(f"memory_fraction must be a share of the GPU in (0, 1], e.g. 0.45, got {memory_fraction!r}")
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:g}"
+    if platform:
+        if not isinstance(platform, str):
+            raise TypeError(f"platform must be a JAX platform name such as 'cuda' or 'cpu', got {platform!r}")
+        env["JAX_PLATFORMS"] = platform
+    return env
+
+
+def _memory_limit(memory_limit):
+    from dask.utils import parse_bytes
+
+    memory_limit = _setting(memory_limit, "worker.memory-limit")
+    if memory_limit in ("auto", 0, "0") or memory_limit is False:
+        return memory_limit
+    try:
+        if isinstance(memory_limit, str):
+            parse_bytes(memory_limit)
+        elif not isinstance(memory_limit, (int, float)) or memory_limit < 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"memory_limit must be 'auto', a size such as '4GiB' or a byte count, got {memory_limit!r}") from None
+    return memory_limit
+
+
+def keep_client_on_cpu() -> None:
+    """Keep this process's JAX on CPU (DL4J's "CPUs on the master, GPUs on the workers").
+
+    Call it before this process runs any JAX computation: JAX then never opens a
+    GPU here, and the GPUs stay whole for the workers. Only this process's JAX
+    configuration changes, not its environment, so workers started from here
+    still see their GPUs. ``dlspark.client.cpu-only: true`` (or
+    ``client_cpu=True`` on :func:`local_cluster` / :func:`slurm_cluster`) does
+    the same.
+    """
+    import jax
+
+    try:
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:  # pragma: no cover - older or newer JAX layouts
+        def backends_are_initialized():
+            return False
+    if backends_are_initialized():
+        if jax.default_backend() != "cpu":
+            raise RuntimeError(f"JAX has already started on {jax.default_backend()} in this process; call "
+                               "dlspark.cluster.keep_client_on_cpu() (or set dlspark.client.cpu-only) before any "
+                               "JAX computation, or set JAX_PLATFORMS=cpu for the client only")
+        return
+    jax.config.update("jax_platforms", "cpu")
+
+
+def _client_cpu(client_cpu):
+    if _setting(client_cpu, "client.cpu-only"):
+        keep_client_on_cpu()
+
+
+def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=None, preallocate: bool | None = None,
+                  memory_fraction: float | None = None, platform: str | None = None,
+                  client_cpu: bool | None = None, **kwargs):
     """Start a ``LocalCluster`` of single-threaded worker processes for dlspark.
 
     Worker processes are spawned (not forked: JAX is not fork-safe), each with
@@ -108,6 +209,14 @@ def local_cluster(n_workers: int | None = None, *, devices=None, **kwargs):
     devices : list of str, optional
         GPU ids to hand out, one per worker (default: every GPU JAX sees). An
         empty list starts CPU workers on a GPU machine.
+    memory_limit : str or int, optional
+        Each worker's memory limit (``dlspark.worker.memory-limit``; default
+        ``"auto"``: the machine's memory split among the workers).
+    preallocate, memory_fraction, platform : optional
+        JAX's memory and platform settings in each worker, see :func:`worker_env`.
+    client_cpu : bool, optional
+        Keep this (the client's) process on CPU, see :func:`keep_client_on_cpu`
+        (``dlspark.client.cpu-only``).
     **kwargs
         Passed to :class:`distributed.LocalCluster`.
 
@@ -119,17 +228,19 @@ def local_cluster(n_workers: int | None = None, *, devices=None, **kwargs):
     import dask
     from distributed import LocalCluster
 
-    platform, found = gpu_devices()
+    gpu_platform, found = gpu_devices()
     devices = found if devices is None else [str(d) for d in devices]
-    platform = platform or "cuda"
+    gpu_platform = gpu_platform or "cuda"
     n = (len(devices) or default_worker_count()) if n_workers is None else int(n_workers)
     if n < 1:
         raise ValueError(f"n_workers must be >= 1, got {n_workers!r}")
     if devices and n > len(devices):
         raise ValueError(f"n_workers={n} but only {len(devices)} GPUs ({', '.join(devices)}): "
                          "dlspark runs one worker per GPU; pass n_workers <= the GPU count, or devices=[] for CPU workers")
-    env = dict(WORKER_ENV)
+    env = worker_env(preallocate=preallocate, memory_fraction=memory_fraction, platform=platform)
     env.update(kwargs.pop("env", {}) or {})
+    kwargs["memory_limit"] = _memory_limit(memory_limit)
+    _client_cpu(client_cpu)
     kwargs.setdefault("dashboard_address", None)
     kwargs.setdefault("silence_logs", 40)
     with dask.config.set(WORKER_CONFIG):
@@ -139,7 +250,7 @@ def local_cluster(n_workers: int | None = None, *, devices=None, **kwargs):
         # One spec per worker, each with its own device visible.
         for i in range(n):
             spec = copy.deepcopy(cluster.new_spec)
-            spec["options"]["env"] = {**env, _DEVICE_ENV[platform]: devices[i]}
+            spec["options"]["env"] = {**env, _DEVICE_ENV[gpu_platform]: devices[i]}
             cluster.worker_spec[i] = spec
         try:
             cluster.scale(n)
@@ -147,4 +258,106 @@ def local_cluster(n_workers: int | None = None, *, devices=None, **kwargs):
         except BaseException:
             cluster.close()
             raise
+    return cluster
+
+
+def _dask_env(config: dict) -> dict:
+    """Dask settings as the ``DASK_...`` environment variables a batch job reads at start."""
+    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): repr(value) if not isinstance(value, str) else value
+            for key, value in config.items()}
+
+
+def jobqueue_options(*, memory_limit=None, preallocate: bool | None = None, memory_fraction: float | None = None,
+                     platform: str | None = None, job_script_prologue=()) -> dict:
+    """Keyword arguments that make any dask-jobqueue cluster start workers as dlspark needs them.
+
+    One worker process per job with one compute thread (``cores=1,
+    processes=1``), spawned, not forked; Dask's profiler off; JAX's memory and
+    platform settings (:func:`worker_env`) exported before the worker, and so
+    JAX, starts. Pass them to ``PBSCluster``, ``LSFCluster``, ``SGECluster``
+    ... and book the job's cores and GPU in that scheduler's own terms
+    (``resource_spec``, ``ncpus``, ``job_extra_directives``); XLA's CPU thread
+    pool uses the cores the job is bound to. :func:`slurm_cluster` does all of
+    this for SLURM.
+
+    Examples
+    --------
+    >>> from dask_jobqueue import PBSCluster  # doctest: +SKIP
+    >>> cluster = PBSCluster(resource_spec="select=1:ncpus=4:ngpus=1:mem=16GB", queue="gpu",
+    ...                      **jobqueue_options(memory_limit="16GB", platform="cuda"))
+    """
+    import shlex
+
+    env = worker_env(preallocate=preallocate, memory_fraction=memory_fraction, platform=platform)
+    env.update(_dask_env(WORKER_CONFIG))
+    options = {
+        "cores": 1,
+        "processes": 1,
+        "job_script_prologue": [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()] + list(job_script_prologue),
+    }
+    memory = _memory_limit(memory_limit)
+    if memory not in ("auto", 0, "0", False):
+        options["memory"] = memory if isinstance(memory, str) else f"{int(memory)}B"
+    return options
+
+
+def slurm_cluster(n_workers: int = 0, *, gpus_per_worker: int = 0, cores_per_worker: int = 1, memory_limit=None,
+                  preallocate: bool | None = None, memory_fraction: float | None = None, platform: str | None = None,
+                  client_cpu: bool | None = None, job_extra_directives=(), job_script_prologue=(), **kwargs):
+    """A dask-jobqueue ``SLURMCluster`` whose jobs are dlspark workers, one per GPU or core group.
+
+    Each job runs one single-threaded worker, spawned, with JAX's environment
+    set before it starts (:func:`jobqueue_options`). With ``gpus_per_worker``
+    the job asks for its GPUs through ``--gres=gpu:N`` and SLURM makes only
+    those visible to it (``CUDA_VISIBLE_DEVICES``); without, the workers run
+    JAX on CPU (unless ``platform`` says otherwise) over ``cores_per_worker``
+    cores, confined to them where the site's ``TaskPlugin`` binds jobs to cores
+    (``task/cgroup``, ``task/affinity``). ``scale``, ``adapt`` and a
+    cancelled job mid-fit all work: a worker that joins is set up at the next
+    round, one that leaves is a lost worker.
+
+    Parameters
+    ----------
+    n_workers : int
+        Jobs to submit now (more later with ``cluster.scale`` / ``cluster.adapt``).
+    gpus_per_worker : int
+        GPUs per worker (0: a CPU worker).
+    cores_per_worker : int
+        Cores booked per worker (``--cpus-per-task``).
+    memory_limit : str, optional
+        The job's memory and the worker's limit (``dlspark.worker.memory-limit``;
+        default: ``jobqueue.slurm.memory`` from dask-jobqueue's configuration).
+    preallocate, memory_fraction, platform : optional
+        See :func:`worker_env`.
+    client_cpu : bool, optional
+        Keep this process's JAX on CPU (:func:`keep_client_on_cpu`).
+    **kwargs
+        Passed to ``dask_jobqueue.SLURMCluster`` (``queue``, ``account``,
+        ``walltime``, ``interface``, ``log_directory``, ``python`` ...).
+
+    Examples
+    --------
+    >>> cluster = slurm_cluster(4, gpus_per_worker=1, cores_per_worker=8, memory_limit="32GB",
+    ...                         queue="gpu", walltime="02:00:00")  # doctest: +SKIP
+    >>> trainer = dlspark.DistributedTrainer(cluster, net, master)  # doctest: +SKIP
+    """
+    try:
+        from dask_jobqueue import SLURMCluster
+    except ImportError:  # pragma: no cover - the hpc extra
+        raise ImportError("slurm_cluster needs dask-jobqueue: pip install 'dlspark[hpc]'") from None
+    gpus = int(gpus_per_worker)
+    if gpus < 0:
+        raise ValueError(f"gpus_per_worker must be >= 0, got {gpus_per_worker!r}")
+    if not gpus and platform is None and _setting(None, "worker.platform") is None:
+        platform = "cpu"  # a job given no GPU must not open the node's GPUs
+    cores = int(cores_per_worker)
+    if cores < 1:
+        raise ValueError(f"cores_per_worker must be >= 1, got {cores_per_worker!r}")
+    options = jobqueue_options(memory_limit=memory_limit, preallocate=preallocate, memory_fraction=memory_fraction,
+                               platform=platform, job_script_prologue=job_script_prologue)
+    directives = list(job_extra_directives) + ([f"--gres=gpu:{gpus}"] if gpus else [])
+    _client_cpu(client_cpu)
+    cluster = SLURMCluster(job_extra_directives=directives, job_cpu=cores, **options, **kwargs)
+    if n_workers:
+        cluster.scale(int(n_workers))
     return cluster

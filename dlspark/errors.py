@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointError",
     "NonFiniteLossError",
     "JobFailedError",
+    "VersionMismatchError",
 ]
 
 
@@ -64,3 +65,18 @@ class NonFiniteLossError(DlsparkError, FloatingPointError):
 
 class JobFailedError(DlsparkError, RuntimeError):
     """A distributed job could not complete (every worker was lost, or a task failed)."""
+
+
+class VersionMismatchError(DlsparkError, RuntimeError):
+    """The client, the scheduler and the workers run different versions of a package a job needs.
+
+    ``mismatches`` maps each such package to ``{process: version}``; the message
+    holds them as a table (see :func:`dlspark.cluster.check_versions`).
+    """
+
+    def __init__(self, message, mismatches=None):
+        self.mismatches = dict(mismatches or {})
+        super().__init__(message, self.mismatches)
+
+    def __str__(self):
+        return self.args[0]

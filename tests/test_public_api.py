@@ -3,7 +3,8 @@ import importlib
 import pytest
 
 MODULES = ["dlspark", "dlspark.data", "dlspark.datasets", "dlspark.losses", "dlspark.io", "dlspark.errors",
-           "dlspark.checkpoint", "dlspark.compat", "dlspark.distributed", "dlspark.evaluation"]
+           "dlspark.checkpoint", "dlspark.compat", "dlspark.distributed", "dlspark.evaluation", "dlspark.cluster",
+           "dlspark.cli"]
 
 
 @pytest.mark.parametrize("modname", MODULES)
