@@ -30,6 +30,8 @@ from ._inference import _batches, _check_evaluations, stack_examples, unstack_ou
 from .algorithms._base import Algorithm, positive_int
 from .algorithms.averaging import ParameterAveraging
 from .algorithms.averaging._numerics import is_averaged, outer_step
+from .algorithms.sharing import GradientSharing
+from ._parallel_sharing import resolve_encoder
 from .checkpoint import state_to_bytes
 from .data import as_dataset, list_minibatches, load_ref
 from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_examples, is_dask_collection,
@@ -319,13 +321,17 @@ class ParallelWrapper:
     ----------
     network : Network
         The network to train; after ``fit`` it holds the trained state.
-    master : ParameterAveraging
+    master : ParameterAveraging or GradientSharing
         The algorithm and its settings (``batch_size_per_worker`` is per device;
         ``worker_prefetch_num_batches`` minibatches per device are loaded ahead, on a
         thread, and placed on their devices there). With ``fused_steps`` (the default)
         a round runs as one compiled call; without, one call per step and one to
         average (faster for convolutional networks on XLA's CPU backend).
         ``training_approach`` and ``export_directory`` do not apply (nothing is exported).
+        With gradient sharing the devices step in lockstep, one minibatch each, and every
+        replica applies the sum of all devices' quantized updates (see
+        :mod:`dlspark._parallel_sharing`); ``steps_per_round`` steps make a round of the
+        statistics; ``mesh`` and ``max_staleness`` do not apply (no network between replicas).
     devices : None, int or list of jax.Device
         Default: every local device of the default backend. On CPU, JAX's
         ``jax_num_cpu_devices`` setting makes one device per core if JAX starts
@@ -334,6 +340,10 @@ class ParallelWrapper:
         Show a progress bar during fit.
     eval_batch_size : int
         Examples per forward pass for evaluation and scoring.
+    sharing_encoder : {"auto", "host", "xla"}
+        Gradient sharing's threshold encoding: on the host with the workers' encoder, or
+        on each device in XLA with the sum over devices in XLA; the same bits either way.
+        ``"auto"``: the host on CPU devices (faster there), XLA on accelerators.
 
     Attributes
     ----------
@@ -352,20 +362,22 @@ class ParallelWrapper:
     """
 
     def __init__(self, network: Network, master=None, devices=None, *, progress: bool = True,
-                 eval_batch_size: int = 64):
+                 eval_batch_size: int = 64, sharing_encoder: str = "auto"):
         if not isinstance(network, Network):
             raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__}")
         if master is None:
             master = ParameterAveraging()
-        if not isinstance(master, ParameterAveraging):
+        if not isinstance(master, (ParameterAveraging, GradientSharing)):
             what = type(master).__name__
             if isinstance(master, Algorithm):
-                raise NotImplementedError(f"ParallelWrapper runs ParameterAveraging; {what} runs on a "
-                                          "DistributedTrainer (for now)")
-            raise TypeError(f"master must be a dlspark.ParameterAveraging(...), got {what}")
+                raise NotImplementedError(f"ParallelWrapper runs ParameterAveraging and GradientSharing; {what} "
+                                          "runs on a DistributedTrainer")
+            raise TypeError(f"master must be dlspark.ParameterAveraging(...) or dlspark.GradientSharing(...), "
+                            f"got {what}")
         positive_int("eval_batch_size", eval_batch_size)
         self.network, self.master, self.progress, self.eval_batch_size = network, master, progress, eval_batch_size
         self.devices = resolve_devices(devices)
+        self.sharing_encoder = resolve_encoder(sharing_encoder, self.devices)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self.loss_history: list = []
         self.training_stats: list = []
@@ -466,6 +478,9 @@ class ParallelWrapper:
     def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
              resume_from, callbacks, progress):
         net, master = self.network, self.master
+        if isinstance(master, GradientSharing):
+            return self._run_sharing(refs, epochs, loader, storage_options, checkpoint_every, resume_from,
+                                     callbacks, progress)
         skip, saved_rngs, epochs_done, epochs_total = (), None, 0, epochs
         if resume_from is not None:  # the cluster's resume: the same checks, meta and state
             epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(self, resume_from, epochs)
@@ -536,6 +551,26 @@ class ParallelWrapper:
             self.training_stats.extend(stats)
         self.last_fit_stats = stats
         return net
+
+    def _run_sharing(self, refs, epochs, loader, storage_options, checkpoint_every, resume_from, callbacks,
+                     progress):
+        from ._parallel_sharing import run_sharing
+
+        if checkpoint_every or resume_from:
+            raise NotImplementedError("ParallelWrapper writes and resumes checkpoints with ParameterAveraging; "
+                                      "with GradientSharing, train on a DistributedTrainer to checkpoint")
+        bar = _progress_bar(self.progress if progress is None else progress, epochs * len(refs))
+        try:
+            stats = run_sharing(self, refs, epochs, loader, storage_options, callbacks, bar, self.sharing_encoder)
+        finally:
+            if bar is not None:
+                bar.close()
+        base_epoch = self.network.epoch - epochs
+        self.loss_history.extend((s["round"], base_epoch + s["epoch"], s["loss"]) for s in stats)
+        if self.master.collect_training_stats:
+            self.training_stats.extend(stats)
+        self.last_fit_stats = stats
+        return self.network
 
     def _round(self, state, outer, item, epoch):
         """Dispatch one round; returns ``(state, outer state, losses, applied)``, still on the devices."""

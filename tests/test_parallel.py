@@ -192,11 +192,92 @@ def test_nonfinite_loss_raises_and_leaves_the_network_as_before_the_fit(make_net
     _close(net.state.params, before, rtol=0, atol=0)
 
 
+# -- gradient sharing ------------------------------------------------------------------
+def _sharing_by_hand(net, batches, devices, threshold):
+    """Lockstep gradient sharing done in this process with the workers' encoder: the oracle.
+    Step j: device i fits minibatch j * devices + i from the shared parameters, adds its update
+    to its residual, and every replica applies the sum of the decoded messages."""
+    from jax.flatten_util import ravel_pytree
+
+    from dlspark.algorithms.sharing._encoding import decode, threshold_encode
+
+    flat, unravel = ravel_pytree(net.state.params)
+    residuals = [np.zeros(flat.size, np.float32) for _ in range(devices)]
+    params = net.state.params
+    for j in range(0, len(batches), devices):
+        total = np.zeros(flat.size, np.float32)
+        for i, b in enumerate(batches[j:j + devices]):
+            updates = net.steps.compute_update(net.state.replace(params=params), b.jit_batch())[0]
+            residuals[i] += np.asarray(ravel_pytree(updates)[0])
+            enc = threshold_encode(residuals[i], threshold, out=residuals[i], min_count=2)
+            total += decode(enc.message)
+        params = optax.apply_updates(params, unravel(total))
+    return params
+
+
+def test_gradient_sharing_steps_in_lockstep_as_by_hand(make_net, digits):
+    from dlspark.algorithms.sharing import FixedThreshold, NoResidualPostProcessing
+
+    tr, _ = digits
+    batches = tr[:288].batches(32)  # 9 minibatches: the last step has one device idle
+    master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=FixedThreshold(3e-3),
+                             residual_post_processor=NoResidualPostProcessing())
+    net = make_net(updater=optax.sgd(0.1))
+    expected = _sharing_by_hand(make_net(updater=optax.sgd(0.1)), batches, 2, 3e-3)
+    wrapper = ParallelWrapper(net, master, CPU2, progress=False, sharing_encoder="host")
+    wrapper.fit(batches)
+    _close(net.state.params, expected, rtol=1e-6, atol=1e-7)
+    assert net.iteration == 9 and net.epoch == 1
+    comm = wrapper.published["communication"]
+    assert 0 < comm["bytes_sent"] < comm["dense_bytes"] / 10
+    assert wrapper.published["replica_divergence"] == 0.0
+
+
+def test_gradient_sharing_encodes_in_xla_with_the_host_encoders_bits(make_net, digits):
+    # the default master: adaptive threshold and residual clipping, Adam on every replica
+    tr, te = digits
+    runs = {}
+    for encoder in ("host", "xla"):
+        net = make_net()
+        wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=16, steps_per_round=8), CPU2,
+                                  progress=False, sharing_encoder=encoder)
+        wrapper.fit(tr[:800], epochs=2)
+        runs[encoder] = (net, wrapper)
+    (a, wa), (b, wb) = runs["host"], runs["xla"]
+    _close(a.state, b.state, rtol=0, atol=0)
+    assert wa.published["communication"] == wb.published["communication"]
+    assert [s["threshold"] for s in wa.last_fit_stats] == [s["threshold"] for s in wb.last_fit_stats]
+    assert wa.published["sharing_encoder"] == "host" and wb.published["sharing_encoder"] == "xla"
+    assert accuracy(a, te) > 0.6  # it learned: 100 steps of 2 x 16 examples
+    assert wa.threshold_state.threshold == wb.threshold_state.threshold  # carried to the next fit
+
+
+def test_gradient_sharing_skips_a_non_finite_minibatch_and_keeps_the_replicas_equal(make_net, digits):
+    tr, _ = digits
+    bad = tr[:128].features.copy()
+    bad[40] = np.nan  # the second minibatch: device 1's first
+    net = make_net(on_nonfinite="skip")
+    wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=32), CPU2, progress=False)
+    wrapper.fit(DataSet(bad, tr[:128].labels))
+    assert net.iteration == 3 and wrapper.published["replica_divergence"] == 0.0
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(net.state.params))
+    raiser = make_net()
+    before = jax.tree_util.tree_map(np.asarray, raiser.state.params)
+    with pytest.raises(NonFiniteLossError):
+        ParallelWrapper(raiser, GradientSharing(batch_size_per_worker=32), CPU2, progress=False).fit(
+            DataSet(bad, tr[:128].labels))
+    _close(raiser.state.params, before, rtol=0, atol=0)
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="network must be a dlspark.Network"):
         ParallelWrapper(object(), ParameterAveraging())
-    with pytest.raises(NotImplementedError, match="GradientSharing"):
-        ParallelWrapper(_tiny_net(), GradientSharing())
+    with pytest.raises(ValueError, match=r"sharing_encoder must be one of \('auto', 'host', 'xla'\), got 'gpu'"):
+        ParallelWrapper(_tiny_net(), GradientSharing(), CPU2, sharing_encoder="gpu")
+    with pytest.raises(NotImplementedError, match="with GradientSharing, train on a DistributedTrainer to checkpoint"):
+        ParallelWrapper(_tiny_net(), GradientSharing(), CPU2, progress=False).fit(
+            (np.zeros((4, 64), np.float32), np.zeros((4, 10), np.float32)), checkpoint_every=1,
+            checkpoint_url="file:///nonexistent/ck.dls")
     with pytest.raises(ValueError, match="devices must be an integer >= 1, got 0"):
         ParallelWrapper(_tiny_net(), ParameterAveraging(), devices=0)
     with pytest.raises(ValueError, match=r"devices=64, but JAX has \d+ .* device"):

@@ -1,0 +1,296 @@
+"""Gradient sharing over the devices of one process: :class:`~dlspark.ParallelWrapper`'s runner
+for :class:`~dlspark.GradientSharing`.
+
+Every device holds a replica with its own updater state, residual and threshold.
+The replicas step in lockstep: at step ``j`` device ``i`` fits minibatch ``j * n +
+i`` of the epoch, turns its update into the residual's part that crossed its
+threshold (the workers' encoding: elements with ``|r| >= t`` move as ``±t``, the
+rest stays), and every replica applies the sum of all devices' quantized updates,
+so that the parameters stay equal. The thresholds move by the master's threshold
+algorithm and the residuals by its post-processor, exactly as on a worker.
+
+Two encoders, the same bits: ``"host"`` runs the workers' own encoder on the host
+(faster on XLA's CPU backend, where the devices are the host's cores), ``"xla"``
+encodes on each device and sums over the devices in XLA (for accelerators; a
+property test holds it to the host encoder's results).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .algorithms.sharing._encoding import EMPTY, decode_into, encode_scratch, threshold_encode
+from .algorithms.sharing._state import _sharing_functions
+from .algorithms.sharing._thresholds import ResidualClipping
+from .algorithms.sharing._xla import encode_on_device_jit, message_bytes, sparsity_of
+from .data import load_ref
+
+__all__ = ["run_sharing", "ENCODERS"]
+
+ENCODERS = ("auto", "host", "xla")
+
+
+def resolve_encoder(encoder: str, devices) -> str:
+    if encoder not in ENCODERS:
+        raise ValueError(f"sharing_encoder must be one of {ENCODERS}, got {encoder!r}")
+    if encoder == "auto":
+        return "host" if devices[0].platform == "cpu" else "xla"
+    return encoder
+
+
+def _prepare(algo, state, residual):
+    """The threshold that encodes ``residual``, for algorithms that set it from the residual."""
+    prepare = getattr(algo, "prepare", None)
+    return state if prepare is None else prepare(state, residual)
+
+
+class _Lazy:
+    """A device vector that the threshold algorithm's ``prepare`` reads only if it needs it."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.x)
+        return a if dtype is None else a.astype(dtype)
+
+
+def _loader(refs, order, loader, options, devices, depth, check):
+    """Yield each step's minibatches, ``[(examples, batch on its device) or None] * devices``,
+    loaded ahead on a thread (``depth`` steps)."""
+    n = len(devices)
+    steps = [order[j:j + n] for j in range(0, len(order), n)]
+    q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for group in steps:
+                out = []
+                for i, dev in enumerate(devices):
+                    if i < len(group):
+                        ds = load_ref(refs[group[i]], loader, options)
+                        check(ds)
+                        out.append((len(ds), jax.device_put(ds.jit_batch(), dev)))
+                    else:
+                        out.append(None)
+                while not stop.is_set():
+                    try:
+                        q.put(out, timeout=0.05)
+                        break
+                    except queue.Full:
+                        pass
+            q.put(None)
+        except BaseException as e:  # raised where the fit waits for the step
+            q.put(e)
+
+    thread = threading.Thread(target=produce, name="dlspark-parallel-load", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+class _Replicas:
+    """The devices' replicas and their sharing state."""
+
+    def __init__(self, wrapper, encoder):
+        net, master = wrapper.network, wrapper.master
+        self.wrapper, self.net, self.master = wrapper, net, master
+        self.devices = wrapper.devices
+        self.encoder = encoder
+        self.algo, self.post = master.threshold_algorithm, master.residual_post_processor
+        flat, unravel = ravel_pytree(net.state.params)
+        self.n = int(flat.size)
+        fns = getattr(net, "_sharing_fns", None)
+        if fns is None:
+            fns = net._sharing_fns = _sharing_functions(net.steps, unravel)
+        self.flat_update, self.apply_flat, self.add_flat = fns
+        rngs = [net.state.rng] + [jax.random.fold_in(net.state.rng, r) for r in range(1, len(self.devices))]
+        # copies (the steps donate them): the network keeps its state until the fit succeeds
+        self.states = [jax.device_put(net.state.replace(rng=rng), d, may_alias=False)
+                       for rng, d in zip(rngs, self.devices)]
+        start = wrapper.algorithm_state.get("threshold_state") or self.algo.init()
+        self.tstates = [start] * len(self.devices)
+        self.steps = [0] * len(self.devices)  # each replica's message counter
+        if encoder == "host":
+            self.residuals = [np.zeros(self.n, np.float32) for _ in self.devices]
+            self.scratch = encode_scratch(self.n)
+        else:
+            self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
+            self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
+            from .parallel import AXIS
+
+            mesh = wrapper.mesh
+            self.stacked = NamedSharding(mesh, P(AXIS))
+            self.sum = jax.jit(lambda m: m.sum(0), out_shardings=NamedSharding(mesh, P()))
+            self.clip = jax.jit(lambda r, lim: jnp.clip(r, -lim, lim))
+
+    # -- one step on every device ---------------------------------------------------
+    def step(self, batches, on_bad):
+        """Fit one minibatch per device (``None``: that device has none this step); returns
+        ``(losses, examples, bytes sent, thresholds, sparsities)`` of the devices that trained."""
+        outs = [None if b is None else self.flat_update(self.states[i], b[1]) for i, b in enumerate(batches)]
+        finite = jax.device_get([None if o is None else o[5] for o in outs])
+        active = []
+        for i, o in enumerate(outs):
+            if o is None:
+                continue
+            if not finite[i]:
+                on_bad(i, float(o[4]))  # "raise" stops here; "skip" leaves this minibatch out
+                self.states[i] = self.states[i].replace(rng=o[3])  # no replay of the same dropout mask
+                outs[i] = None
+                continue
+            active.append(i)
+        encode = self._encode_host if self.encoder == "host" else self._encode_xla
+        totals, sent, ts, sparsities = encode(outs, active)
+        for i, o in enumerate(outs):
+            if o is None:  # the sum of the others' messages still reaches this replica
+                self.states[i] = self.add_flat(self.states[i], totals[i])
+            else:
+                self.states[i] = self.apply_flat(self.states[i], totals[i], o[1], o[2], o[3])
+        losses = [float(x) for x in jax.device_get([outs[i][4] for i in active])]
+        return losses, sum(batches[i][0] for i in active), sent, ts, sparsities
+
+    def _advance(self, i, t, count):
+        """After replica ``i`` encoded at threshold ``t``: its message counter and threshold."""
+        self.steps[i] += 1
+        sparsity = sparsity_of(count, self.n)
+        self.tstates[i] = self.algo.update(self.tstates[i], sparsity)
+        return sparsity
+
+    def _encode_host(self, outs, active):
+        total = np.zeros(self.n, np.float32)
+        sent, ts, sparsities = 0, [], []
+        for i in active:
+            r = self.residuals[i]
+            r += np.asarray(outs[i][0])
+            self.tstates[i] = _prepare(self.algo, self.tstates[i], r)
+            t = self.tstates[i].threshold
+            enc = threshold_encode(r, t, out=r, scratch=self.scratch, min_count=2)
+            if enc.message[0] != EMPTY:
+                decode_into(enc.message, total)
+            sent += int(enc.message.nbytes) * (len(self.devices) - 1)
+            self.residuals[i] = self.post.update(r, t, self.steps[i] + 1)
+            ts.append(float(t))
+            sparsities.append(self._advance(i, t, enc.count))
+        return [jax.device_put(total, d) for d in self.devices], sent, ts, sparsities
+
+    def _encode_xla(self, outs, active):
+        moved, counts, ts = list(self.zeros), {}, {}
+        for i in active:
+            r = self.residuals[i] + outs[i][0]
+            self.tstates[i] = _prepare(self.algo, self.tstates[i], _Lazy(r))
+            t = ts[i] = self.tstates[i].threshold
+            moved[i], self.residuals[i], counts[i] = encode_on_device_jit(r, np.float32(t), min_count=2)
+        stacked = jax.make_array_from_single_device_arrays(
+            (len(self.devices), self.n), self.stacked, [m[None] for m in moved])
+        total = self.sum(stacked)  # over the devices, in XLA
+        by_device = {s.device: s.data for s in total.addressable_shards}
+        counts = dict(zip(counts, (int(c) for c in jax.device_get(list(counts.values())))))
+        sent, sparsities = 0, []
+        for i in active:
+            t, step = ts[i], self.steps[i] + 1
+            sent += message_bytes(counts[i], self.n) * (len(self.devices) - 1)
+            if isinstance(self.post, ResidualClipping):
+                if step % self.post.frequency == 0:
+                    self.residuals[i] = self.clip(self.residuals[i], np.float32(self.post.threshold_multiple * t))
+            else:
+                host = np.array(self.residuals[i])
+                self.residuals[i] = jax.device_put(self.post.update(host, t, step), self.devices[i])
+            sparsities.append(self._advance(i, t, counts[i]))
+        return [by_device[d] for d in self.devices], sent, list(ts.values()), sparsities
+
+
+def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, encoder):
+    """Fit ``refs`` for ``epochs`` with gradient sharing over ``wrapper``'s devices; returns the
+    rounds' statistics (``steps_per_round`` steps per device make a round)."""
+    net, master = wrapper.network, wrapper.master
+    home = next(iter(jax.tree_util.tree_leaves(net.state)[0].devices()))
+    reps = _Replicas(wrapper, encoder)
+    base_step, base_epoch = net.iteration, net.epoch
+    n_dev = len(reps.devices)
+    stats, trained = [], 0
+    depth = max(1, master.worker_prefetch_num_batches)
+
+    def on_bad(i, loss):
+        net.nonfinite(base_step + trained, loss)
+
+    round_no = 0
+    for epoch in range(epochs):
+        reps.states = [s.replace(epoch=jax.device_put(np.int32(base_epoch + epoch), d))
+                       for s, d in zip(reps.states, reps.devices)]
+        steps = _loader(refs, list(range(len(refs))), loader, storage_options, reps.devices, depth, net.check_batch)
+        row = _new_row()
+        t_round = time.perf_counter()
+        for j, batches in enumerate(steps):
+            t0 = time.perf_counter()
+            losses, examples, sent, ts, sp = reps.step(batches, on_bad)
+            row["fit_time"] += time.perf_counter() - t0
+            row["losses"] += losses
+            row["examples"] += examples
+            row["minibatches"] += len(losses)
+            row["bytes_sent"] += sent
+            row["dense_bytes"] += 4 * reps.n * (n_dev - 1) * len(losses)
+            row["thresholds"] += ts
+            row["sparsities"] += sp
+            trained += len(losses)
+            if (j + 1) % master.steps_per_round == 0:
+                round_no += 1
+                stats.append(_finish_row(row, round_no, epoch, trained, t_round, n_dev, bar, callbacks))
+                row, t_round = _new_row(), time.perf_counter()
+        if row["minibatches"]:
+            round_no += 1
+            stats.append(_finish_row(row, round_no, epoch, trained, t_round, n_dev, bar, callbacks))
+    net.state = jax.device_put(reps.states[0].replace(step=np.int32(base_step + trained),
+                                                      epoch=np.int32(base_epoch + epochs)), home)
+    wrapper.algorithm_state = dict(wrapper.algorithm_state, threshold_state=master.threshold_algorithm.reduce(
+        reps.tstates))
+    comm = wrapper.published.setdefault("communication", {"bytes_sent": 0, "dense_bytes": 0})
+    comm["bytes_sent"] += sum(s["bytes_sent"] for s in stats)
+    comm["dense_bytes"] += sum(s["dense_bytes"] for s in stats)
+    params = [jax.tree_util.tree_leaves(s.params) for s in reps.states]
+    wrapper.published["replica_divergence"] = max(
+        (float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for other in params[1:] for a, b in zip(params[0], other)),
+        default=0.0)
+    wrapper.published["sharing_encoder"] = encoder
+    return stats
+
+
+def _new_row():
+    return {"fit_time": 0.0, "losses": [], "examples": 0, "minibatches": 0, "bytes_sent": 0, "dense_bytes": 0,
+            "thresholds": [], "sparsities": []}
+
+
+def _finish_row(row, round_no, epoch, trained, t_round, n_dev, bar, callbacks):
+    losses = row["losses"]
+    stat = {"event": "round", "round": round_no, "epoch": epoch, "minibatches": row["minibatches"],
+            "examples": row["examples"], "loss": (sum(losses) / len(losses)) if losses else None,
+            "workers": n_dev, "round_time": time.perf_counter() - t_round, "fit_time_max": row["fit_time"],
+            "trained_total": trained, "bytes_sent": row["bytes_sent"], "dense_bytes": row["dense_bytes"],
+            "threshold": float(np.mean(row["thresholds"])) if row["thresholds"] else None,
+            "sparsity": float(np.mean(row["sparsities"])) if row["sparsities"] else None}
+    if bar is not None:
+        bar.update(stat["minibatches"])
+        if stat["loss"] is not None:
+            bar.set_postfix(loss=f"{stat['loss']:.4g}", refresh=False)
+    for cb in callbacks:
+        cb(stat)
+    return stat
