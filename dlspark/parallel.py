@@ -3,13 +3,15 @@
 On one machine with several GPUs, or many cores, the replicas need no cluster:
 no serialization, no scheduler, no worker processes. Each device holds one
 replica of the train state (every leaf stacked on a leading replica axis and
-sharded over a one-axis mesh). A round is planned by the cluster's own planner
+sharded over a one-axis mesh). With parameter averaging a round is planned by the cluster's own planner
 (:class:`~dlspark.distributed._plan.Coordinator`, device ``i`` standing where the
 ``i``-th worker in address order stands), so the minibatch-to-replica assignment,
 the per-replica RNG streams and the checkpoints are those of a
-:class:`~dlspark.DistributedTrainer` with as many workers. A round's steps and
-its mean run as one compiled SPMD call (``shard_map``: ``train_step`` over the round's
-stacked minibatches on every device, then ``psum``), with the outer optimizer in the same call.
+:class:`~dlspark.DistributedTrainer` with as many workers. A round's steps run as
+SPMD calls (``shard_map``: ``train_step`` on every device, one call per step or, with
+``fused_steps``, one over the round's stacked minibatches), then its mean (``psum``)
+with the outer optimizer in one more. Gradient sharing runs in
+:mod:`dlspark._parallel_sharing`.
 """
 
 from __future__ import annotations
@@ -324,9 +326,9 @@ class ParallelWrapper:
     master : ParameterAveraging or GradientSharing
         The algorithm and its settings (``batch_size_per_worker`` is per device;
         ``worker_prefetch_num_batches`` minibatches per device are loaded ahead, on a
-        thread, and placed on their devices there). With ``fused_steps`` (the default)
-        a round runs as one compiled call; without, one call per step and one to
-        average (faster for convolutional networks on XLA's CPU backend).
+        thread, and placed on their devices there). With ``fused_steps=True`` a round
+        runs as one compiled call; by default one call per step and one to average
+        (faster for convolutional networks on XLA's CPU backend).
         ``training_approach`` and ``export_directory`` do not apply (nothing is exported).
         With gradient sharing the devices step in lockstep, one minibatch each, and every
         replica applies the sum of all devices' quantized updates (see
