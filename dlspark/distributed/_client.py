@@ -119,8 +119,11 @@ def _resume(trainer, url, epochs):
 
 
 def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=None, checkpoint_every=None,
-            checkpoint_url=None, resume_from=None, callbacks=(), progress=None):
-    """Run one fit as a job on ``trainer``'s cluster; the trained state lands in ``trainer.network``."""
+            checkpoint_url=None, resume_from=None, callbacks=(), progress=None, export_span=None):
+    """Run one fit as a job on ``trainer``'s cluster; the trained state lands in ``trainer.network``.
+    ``export_span``: when the data's export began and ended (for the statistics)."""
+    from ..stats._collect import ClientSide, NoClientSide
+
     master = trainer.master
     skip, worker_rngs, epochs_done, epochs_total = (), None, 0, epochs
     if resume_from is not None:
@@ -155,12 +158,17 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     topic = f"dlspark-{job}"
     client.subscribe_topic(topic, on_event)
     try:
-        client.sync(setup_workers, client, workers, job, spec, state)
-        client.sync(client.scheduler.dlspark_start, job=job, workers=workers, spec=spec, partitions=partitions,
-                    master=cloudpickle.dumps(master), options=asdict(options), client=client.id)
-        result = checked(client.sync(client.scheduler.dlspark_wait, job=job))["result"]
+        st = ClientSide(client, export_span) if master.collect_training_stats else NoClientSide()
+        with st.span("broadcast", bytes=(len(spec) + len(state)) * len(workers)):
+            client.sync(setup_workers, client, workers, job, spec, state)
+        with st.span("start"):
+            client.sync(client.scheduler.dlspark_start, job=job, workers=workers, spec=spec, partitions=partitions,
+                        master=cloudpickle.dumps(master), options=asdict(options), client=client.id)
+        with st.span("wait"):
+            result = checked(client.sync(client.scheduler.dlspark_wait, job=job))["result"]
         step, epoch = base_step + result.trained, base_epoch + epochs
-        source, final = client.sync(fetch_state_from_any, client, list(result.workers), job, step, epoch)
+        with st.span("fetch_state"):
+            source, final = client.sync(fetch_state_from_any, client, list(result.workers), job, step, epoch)
         net.state = state_from_bytes(final["state"], net.state)
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
         if master.compare_replicas():
@@ -169,7 +177,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         for s in result.stats:
             trainer.loss_history.append((s["round"], base_epoch + s["epoch"], s["loss"]))
         if master.collect_training_stats:
-            trainer.training_stats.extend(result.stats)
+            trainer.training_stats.add(st.finish(job, master.name, result.stats, workers))
         trainer.last_fit_stats = list(result.stats)
     finally:
         client.unsubscribe_topic(topic)

@@ -438,6 +438,7 @@ class JobMachine:
             "loss": (sum(f.loss_sum for f in fits.values()) / n) if n else None, "workers": len(contributors),
             "round_time": self.now - self.started, "fit_time_max": max((f.fit_time for f in fits.values()), default=0.0),
             "worker_fit_time": {w: f.fit_time for w, f in fits.items()},
+            "worker_steps": {w: f.n for w, f in fits.items()},
             "data_wait": {w: f.data_wait for w, f in fits.items()},
             "trained_total": self.planner.trained_total, "attempts": self.attempt,
             **self.driver.round_stats(),

@@ -12,6 +12,7 @@ the worker plugin routes to it by job id.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -23,6 +24,7 @@ from .._netcache import cached_network
 from ..checkpoint import state_from_bytes, state_to_bytes
 from ..data import load_ref
 from ..io import write_bytes
+from ..stats._recorder import NULL, Recorder
 from ._messages import Ack, CheckpointOrder, Order, RngOrder, RngReply
 from ._prefetch import Prefetcher
 
@@ -37,6 +39,10 @@ class WorkerRun:
     """
 
     def __init__(self, worker, job: str, spec, state_bytes: bytes, rank: int):
+        t_setup = time.time()
+        # the job's statistics (dlspark.stats): a recorder that does nothing when they are off
+        self.stats = Recorder() if spec.master.collect_training_stats else NULL
+        self.stats.bind()
         self.worker = worker
         self.job = job
         self.spec = spec
@@ -51,10 +57,13 @@ class WorkerRun:
             state = state.replace(rng=jax.random.fold_in(state.rng, rank))
         self.state = state
         self.treedef = jax.tree_util.tree_structure(state)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute")
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="dlspark-compute", initializer=self.stats.bind)
         # One loading thread for the job's life: it reads the next round's first
         # minibatches while this round is still being combined.
         self.prefetch = Prefetcher(self.staged, self.master.prefetch_depth)
+        self.stats.unbind()
+        self.stats.add("setup", t_setup, time.time())
+        self.stats.start_idle()
 
     @property
     def address(self) -> str:
@@ -78,7 +87,11 @@ class WorkerRun:
         handler = getattr(self, f"order_{order.op}", None)
         if handler is None:
             raise TypeError(f"{type(self).__name__} takes no {order.op!r} order")
-        return await handler(order)
+        self.stats.begin_order(getattr(order, "round", None), outside=isinstance(order, (RngOrder, CheckpointOrder)))
+        try:
+            return await handler(order)
+        finally:
+            self.stats.end_order()
 
     async def peer(self, op: str, **kw):
         handler = getattr(self, f"peer_{op}", None)
@@ -90,9 +103,21 @@ class WorkerRun:
     def staged(self, ref_index):
         """A minibatch checked against the network and already on the device: ``(examples, batch)``.
         Runs on the prefetch thread, off the compute thread's path."""
+        t0 = self.stats.now()
         ds = load_ref(self.spec.refs[ref_index], self.spec.loader, self.spec.storage_options, self.worker)
         self.net.check_batch(ds)
-        return len(ds), jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
+        out = len(ds), jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
+        self.stats.add("load", t0, self.stats.now(), "loader", examples=out[0])
+        return out
+
+    def batches(self, refs):
+        """The minibatches of ``refs`` from the prefetcher, in order; each wait for one is
+        the main lane's ``data_wait``."""
+        mark = self.stats.mark
+        for r in refs:
+            item = self.prefetch.take(r)
+            mark("data_wait")
+            yield item
 
     def set_leaves(self, leaves):
         self.state = jax.tree_util.tree_unflatten(self.treedef, jax.device_put(list(leaves)))
@@ -112,6 +137,7 @@ class WorkerRun:
                      "fit_progress": order.progress, "worker_rngs": list(order.worker_rngs), **order.meta}
             raw = state_to_bytes(st, extra, self.net.definition(), aux=self.checkpoint_arrays())
             write_bytes(order.url, raw, **(self.spec.checkpoint_options or {}))
+            self.stats.mark("checkpoint", bytes=len(raw))
 
         await self.compute(write)
         return Ack()

@@ -25,6 +25,9 @@ from ._machine import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Fail
                        JoinFailed, Joined, Probe, Probed, Replied, Send, Settings, Start, Timer, WorkerJoined,
                        WorkerLost)
 from ._messages import ErrorReply, JobOptions, RngOrder
+from ..stats._collect import gather_job, measure_workers
+from ..stats._live import LivePage
+from ..stats._recorder import NULL, Recorder
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +61,16 @@ class _JobShell:
         self.done = asyncio.Event()
         self.result = None
         self.tasks: set = set()
+        self.stats = NULL  # the job's statistics: a Recorder when the master collects them
+        self.clocks: dict = {}
 
     def feed(self, event):
         try:
-            for instruction in self.machine.handle(event, time.perf_counter()):
+            t0 = self.stats.now()
+            instructions = self.machine.handle(event, time.perf_counter())
+            if instructions:
+                self.stats.add("plan", t0, self.stats.now(), event=type(event).__name__)
+            for instruction in instructions:
                 getattr(self, f"_do_{type(instruction).__name__}")(instruction)
         except Exception as e:  # a defect here must fail the job, not hang its client
             logger.exception("dlspark job %s: the coordinator failed on %r", self.job, event)
@@ -81,8 +90,11 @@ class _JobShell:
         self._spawn(self._send(i))
 
     async def _send(self, i: Send):
+        t0 = self.stats.now()
         try:
             resp = await self.scheduler.rpc(i.worker).dlspark_order(job=self.job, order=to_serialize(i.order))
+            self.stats.add("order", t0, self.stats.now(), "orders", op=i.order.op, to=i.worker,
+                           round=getattr(i.order, "round", None))
         except OSError:
             return self.feed(WorkerLost(i.worker))
         except Exception as e:
@@ -130,6 +142,10 @@ class _JobShell:
         if i.msg.get("event") == "join-failed":
             logger.warning("dlspark job %s: worker %s could not join: %s", self.job, i.msg["worker"], i.msg["error"])
         self.scheduler.log_event(f"dlspark-{self.job}", i.msg)
+        if i.msg.get("event") == "round":
+            t = self.stats.now()
+            self.stats.add("round", t - i.msg["round_time"], t, "rounds", number=i.msg["round"])
+            self.plugin.live.round_done(self.job, i.msg)
 
     def _do_Timer(self, i: Timer):
         asyncio.get_running_loop().call_later(i.seconds, self.feed, i.event)
@@ -163,6 +179,9 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers["dlspark_start"] = self._start
         scheduler.handlers["dlspark_wait"] = self._wait
         scheduler.handlers["dlspark_finish"] = self._finish
+        scheduler.handlers["dlspark_clock"] = self._clock
+        scheduler.handlers["dlspark_job_stats"] = self._job_stats
+        self.live = LivePage.install(scheduler)
 
     def remove_worker(self, scheduler, worker, *, stimulus_id=None, **kwargs):
         for shell in list(self.jobs.values()):
@@ -191,6 +210,10 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
         options = JobOptions(**options)
         machine = JobMachine(job, workers, master.create_driver(options), partitions, options, settings_from_config())
         shell = self.jobs[job] = _JobShell(self, job, machine, spec, client)
+        if master.collect_training_stats:
+            shell.stats = Recorder()
+            shell.clocks = await measure_workers(self.scheduler.rpc, workers)
+        self.live.job_started(job, master, workers)
         shell.feed(Start())
         return {}
 
@@ -198,6 +221,16 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
         shell = self.jobs[job]
         await shell.done.wait()
         return shell.result
+
+    async def _clock(self):
+        return {"time": time.time()}
+
+    async def _job_stats(self, job):
+        """A finished job's statistics: the workers' clocks measured again and every
+        worker's events (see ``dlspark.stats``)."""
+        shell = self.jobs[job]
+        workers = [w for w in shell.clocks if w in self.scheduler.workers]
+        return {"stats": await gather_job(self.scheduler.rpc, job, workers, shell.clocks, shell.stats.drain())}
 
     async def _finish(self, job):
         """Forget the job here and on every worker (called once the client has the result)."""

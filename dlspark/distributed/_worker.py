@@ -12,6 +12,7 @@ import collections
 import functools
 import logging
 import os
+import time
 
 import cloudpickle
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DlsparkWorkerPlugin", "pin_process"]
 
-_HANDLERS = ("setup", "join", "order", "peer", "state", "teardown")
+_HANDLERS = ("setup", "join", "order", "peer", "state", "teardown", "clock", "events")
 
 
 def pin_process(cores) -> None:
@@ -140,6 +141,15 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     async def _state(self, job: str, step: int | None = None, epoch: int | None = None):
         out = await self._job(job).dump_state(step, epoch)
         return {"state": out["state"], "carried": to_serialize(out["carried"])}
+
+    async def _clock(self):
+        """This process's wall clock (the scheduler aligns event times with it)."""
+        return {"time": time.time()}
+
+    async def _events(self, job: str):
+        """The job's recorded events (see ``dlspark.stats``), handed over once."""
+        run = self.jobs.get(job)
+        return {"events": run.stats.drain() if run is not None else []}
 
     async def _teardown(self, job: str):
         self.ended.append(job)

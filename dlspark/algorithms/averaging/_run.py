@@ -89,16 +89,21 @@ class AveragingRun(WorkerRun):
         wait0 = self.prefetch.wait_time
         n_examples = 0
         base_step = int(state.step)
-        staged = list(self.prefetch.iterate(refs)) if self.master.fused_steps and len(refs) > 1 else None
+        rec = self.stats
+        staged = list(self.batches(refs)) if self.master.fused_steps and len(refs) > 1 else None
         if staged is not None and _one_shape(b for _, b in staged):
             # the round's steps as one compiled call over the stacked minibatches
             stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[b for _, b in staged])
             state, (losses, oks) = steps.train_steps(state, stacked)
             n_examples = sum(n for n, _ in staged)
             losses, oks = list(np.asarray(losses)), list(np.asarray(oks))
+            rec.mark("fit", examples=n_examples, steps=len(staged))
         else:
-            for n, batch in (staged or self.prefetch.iterate(refs)):
+            for n, batch in (staged or self.batches(refs)):
                 state, loss, ok = steps.train_step(state, batch)
+                if rec.on:  # each minibatch's own time: wait for its step (only while recording)
+                    loss.block_until_ready()
+                    rec.mark("fit", examples=n)
                 losses.append(loss)
                 oks.append(ok)
                 n_examples += n
@@ -169,6 +174,7 @@ class AveragingRun(WorkerRun):
             if self.outer is not None:
                 self.round_start[round] = self._start
             self.contributions[round] = await self.compute(self._contribution)
+            self.stats.mark("prepare")
         except BaseException:
             self.contributions[round] = None  # peers waiting for it learn it will not come
             if len(contributors) >= 3:  # and those waiting for its share
@@ -204,11 +210,13 @@ class AveragingRun(WorkerRun):
         if contributors == [self.address] and self.contributions.get(round) is not None:
             # Sole contributor: the mean is its own state after its fit.
             await self.compute(self._then_outer, round, self.set_leaves, self._own_contribution(round))
+            self.stats.mark("average")
             return replace(done, avg_time=time.perf_counter() - t0)
         if not contributors and round in self.untouched:
             # Every contributor was lost. (A replica that fit this round is among the
             # contributors for as long as it lives.)
             await self.compute(self._restore_untouched, round)
+            self.stats.mark("average")
             return replace(done, avg_time=time.perf_counter() - t0)
         if len(contributors) >= 3:
             return await self._average_in_shares(round, contributors, attempt, t0)
@@ -223,8 +231,10 @@ class AveragingRun(WorkerRun):
             nbytes += sum(np.asarray(x).nbytes for x in resp.leaves)
             contribs.append(resp.leaves)
         t_fetch = time.perf_counter() - t0
+        self.stats.mark("fetch", bytes=nbytes)
         await self.compute(self._then_outer, round, self._average_into_state, contribs)
         self._drop_device_copy(round)
+        self.stats.mark("average")
         return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
                             contributors=tuple(contributors))
 
@@ -276,7 +286,9 @@ class AveragingRun(WorkerRun):
                         return AverageReply(unreachable=(addr,), ok=False, contributors=tuple(contributors))
                     parts.append(list(resp.leaves))
                     nbytes += sum(np.asarray(x).nbytes for x in parts[-1])
+                self.stats.mark("fetch", bytes=nbytes)
                 slot[1] = ("OK", await self.compute(average_share, parts))
+                self.stats.mark("average")
             finally:
                 if slot[1] is None:  # failed here: its waiters must not wait for their timeout
                     slot[1] = ("lost", me)
@@ -284,6 +296,7 @@ class AveragingRun(WorkerRun):
         elif me in contributors and slot[1][0] != "OK":
             return AverageReply(unreachable=(slot[1][1] or me,), ok=False, contributors=tuple(contributors))
         t_fetch = time.perf_counter() - t0
+        own_bytes = nbytes
         all_pieces, all_values = [], []
         for k, addr in enumerate(contributors):
             if addr == me:
@@ -297,8 +310,10 @@ class AveragingRun(WorkerRun):
                 nbytes += sum(np.asarray(x).nbytes for x in values)
             all_pieces += share_pieces(sizes, *share_bounds(sizes, n, k))
             all_values += values
+        self.stats.mark("fetch", bytes=nbytes - own_bytes)
         await self.compute(self._then_outer, round, self._set_floats, floats, all_pieces, all_values)
         self._drop_device_copy(round)
+        self.stats.mark("average")
         return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
                             contributors=tuple(contributors))
 
@@ -308,6 +323,7 @@ class AveragingRun(WorkerRun):
         that flat range of its floating-point elements (see ``share_pieces``)."""
         ev = self.ready.setdefault(round, asyncio.Event())
         await asyncio.wait_for(ev.wait(), timeout=self.peer_timeout())
+        t0 = self.stats.now()
         contribution = self.contributions.get(round)
         if contribution is None:
             return {"reply": to_serialize(Unavailable(peer=None))}
@@ -315,6 +331,7 @@ class AveragingRun(WorkerRun):
         if share is not None:
             floats = [x for x in leaves if is_averaged(x)]
             leaves = take_share(floats, share_pieces([x.size for x in floats], *share))
+        self.stats.add("serve", t0, self.stats.now(), "comms", bytes=sum(np.asarray(x).nbytes for x in leaves))
         return {"reply": to_serialize(Contribution(leaves=list(leaves)))}
 
     async def peer_share(self, round: int, contributors: list, attempt: int = 0):
@@ -325,4 +342,6 @@ class AveragingRun(WorkerRun):
         status, value = slot[1]
         if status != "OK":
             return {"reply": to_serialize(Unavailable(peer=value))}
+        t = self.stats.now()
+        self.stats.add("serve", t, t, "comms", bytes=sum(np.asarray(x).nbytes for x in value))
         return {"reply": to_serialize(Share(values=list(value)))}

@@ -27,11 +27,13 @@ class SharingRun(WorkerRun):
 
     async def _push(self, sender, step, message, targets):
         payload = to_serialize(message)
+        t0 = self.stats.now()
         # One-way: no reply is written or awaited (a message lost on the way is fetched
         # at the round's sync), which halves the messages on both event loops.
         await asyncio.gather(*[self.worker.rpc(p).dlspark_peer(job=self.job, request="push", sender=sender, step=step,
                                                                message=payload, via=self.address, reply=False)
                                for p in targets], return_exceptions=True)
+        self.stats.add("push", t0, self.stats.now(), "comms", bytes=int(message.nbytes) * len(targets), step=step)
 
     # -- orders -----------------------------------------------------------------------
     async def order_fit(self, order):
@@ -54,7 +56,7 @@ class SharingRun(WorkerRun):
             self.prefetch.expect(refs, list(order.next_refs))
             wait0 = self.prefetch.wait_time
             t0 = time.perf_counter()
-            out = s.fit(self.prefetch.iterate(refs), peers, send)
+            out = s.fit(self.batches(refs), peers, send)
             return FitReply(loss_sum=out.pop("loss_sum"), n=out.pop("n"), examples=out.pop("examples"),
                             fit_time=time.perf_counter() - t0, data_wait=self.prefetch.wait_time - wait0,
                             extra={**out, "relayed": s.relayed})
@@ -66,7 +68,7 @@ class SharingRun(WorkerRun):
 
     async def order_sync(self, order):
         """Fetch the round's messages this replica missed, then apply every pending one."""
-        extra, unreachable = [], []
+        extra, unreachable, nbytes = [], [], 0
         for holder, keys in order.missing.items():
             if holder == self.address:
                 continue
@@ -78,7 +80,10 @@ class SharingRun(WorkerRun):
                 unreachable.append(holder)
                 continue
             extra.extend(zip([tuple(k) for k in keys], messages))
+            nbytes += sum(int(np.asarray(m).nbytes) for m in messages)
+        self.stats.mark("sync", bytes=nbytes, part="fetch")
         await self.compute(self.sharing.apply_pending, extra)
+        self.stats.mark("sync", part="apply")
         s = self.sharing
         return SyncReply(unreachable=tuple(unreachable), threshold=float(s.tstate.threshold), step=s.step,
                          threshold_state=tuple(s.tstate))
@@ -90,6 +95,7 @@ class SharingRun(WorkerRun):
     # -- requests from peers ----------------------------------------------------------
     async def peer_push(self, sender: str, step: int, message, via: str | None = None):
         s = self.sharing
+        t0 = self.stats.now()
         message = np.asarray(message)
         if s.receive(sender, step, message) and s.links:
             # tree mesh: relay onwards, never back where it came from
@@ -97,6 +103,7 @@ class SharingRun(WorkerRun):
             if onward:
                 s.relayed += 1
                 asyncio.ensure_future(self._push(sender, step, message, onward))
+        self.stats.add("receive", t0, self.stats.now(), "comms", bytes=int(message.nbytes), sender=sender, step=step)
         return {}
 
     async def peer_get(self, keys: list):

@@ -1,0 +1,109 @@
+"""The live page ``/dlspark`` in the Dask dashboard: the running job's loss, steps/s per
+worker, each round's time split into phases, bytes on the wire and, for gradient
+sharing, the threshold.
+
+The scheduler plugin keeps every round's record here as the job machine emits it
+(:class:`LivePage`, a few dicts, whether or not a dashboard runs). When the
+scheduler serves Dask's bokeh dashboard, :meth:`LivePage.install` adds a bokeh
+application at ``/dlspark`` beside it, the way ``distributed.dashboard.scheduler``
+connects its own pages; bokeh is imported only then.
+"""
+
+from __future__ import annotations
+
+import collections
+
+__all__ = ["LivePage", "dashboard_link", "round_table"]
+
+ROUTE = "/dlspark"
+_PHASE_COLUMNS = ("fit", "data_wait", "combine", "other")
+
+
+def round_table(rounds) -> dict:
+    """Columns of per-round figures the live page plots (pure; also what tests compare)."""
+    cols = {k: [] for k in ("round", "loss", "round_time", *_PHASE_COLUMNS, "bytes", "threshold")}
+    for r in rounds:
+        fit = float(r.get("fit_time_max", 0.0))
+        wait = max(r.get("data_wait", {}).values(), default=0.0) if isinstance(r.get("data_wait"), dict) else 0.0
+        combine = float(r.get("avg_time", 0.0))
+        total = float(r.get("round_time", 0.0))
+        thresholds = r.get("threshold")
+        cols["round"].append(int(r["round"]))
+        cols["loss"].append(float("nan") if r.get("loss") is None else float(r["loss"]))
+        cols["round_time"].append(total)
+        cols["fit"].append(max(fit - wait, 0.0))
+        cols["data_wait"].append(wait)
+        cols["combine"].append(combine)
+        cols["other"].append(max(total - fit - combine, 0.0))
+        cols["bytes"].append(int(r.get("bytes_sent", 0)) + int(r.get("bytes_received", 0)))
+        cols["threshold"].append(float(sum(thresholds.values()) / len(thresholds))
+                                 if isinstance(thresholds, dict) and thresholds else float("nan"))
+    return cols
+
+
+def worker_rates(rounds) -> dict:
+    """``{"worker": [...], "steps_per_s": [...]}`` over the rounds so far."""
+    steps, times = collections.Counter(), collections.Counter()
+    for r in rounds:
+        for w, t in (r.get("worker_fit_time") or {}).items():
+            times[w] += t
+            steps[w] += (r.get("worker_steps") or {}).get(w, 0)
+    ws = sorted(times)
+    return {"worker": ws, "steps_per_s": [steps[w] / times[w] if times[w] > 0 else 0.0 for w in ws]}
+
+
+class LivePage:
+    """The running jobs' round records, kept for the ``/dlspark`` page."""
+
+    def __init__(self):
+        self.jobs: collections.OrderedDict = collections.OrderedDict()
+        self.app = None
+
+    @classmethod
+    def install(cls, scheduler) -> "LivePage":
+        page = cls()
+        apps = getattr(getattr(scheduler, "http_application", None), "applications", [])
+        dashboards = [a for a in apps if type(a).__name__.endswith("BokehTornado")]
+        if dashboards:
+            page._serve(scheduler, dashboards[0])
+        return page
+
+    def _serve(self, scheduler, dashboard):
+        from distributed.dashboard.core import BokehApplication
+        from tornado.ioloop import IOLoop
+
+        from ._pages import live_document
+
+        prefix = getattr(dashboard, "prefix", "") or ""
+
+        def make(server, extra, doc):
+            live_document(self, doc)
+
+        self.app = BokehApplication({ROUTE: make}, scheduler, prefix=prefix)
+        scheduler.http_application.add_application(self.app)
+        self.app.initialize(IOLoop.current())
+        self.app.start()
+
+    def job_started(self, job, master, workers):
+        self.jobs[job] = {"job": job, "algorithm": master.name, "workers": list(workers), "rounds": []}
+        while len(self.jobs) > 8:
+            self.jobs.popitem(last=False)
+
+    def round_done(self, job, stat):
+        if job in self.jobs:
+            self.jobs[job]["rounds"].append(stat)
+
+    def latest(self):
+        return next(reversed(self.jobs.values()), None)
+
+
+def dashboard_link(client) -> str | None:
+    """The ``/dlspark`` page's URL on ``client``'s scheduler, or None without a dashboard."""
+    try:
+        link = client.dashboard_link
+    except Exception:
+        return None
+    if not link:
+        return None
+    base = link.rsplit("/", 1)[0] if link.endswith("/status") else link.rstrip("/")
+    return base + ROUTE
