@@ -173,6 +173,7 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
 
     def __init__(self):
         self.jobs: dict = {}
+        self._teardowns: set = set()  # running in the background, referenced until done
 
     async def start(self, scheduler):
         self.scheduler = scheduler
@@ -233,15 +234,18 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
         return {"stats": await gather_job(self.scheduler.rpc, job, workers, shell.clocks, shell.stats.drain())}
 
     async def _finish(self, job):
-        """Forget the job here and on every worker (called once the client has the result)."""
+        """Forget the job here and on every worker (called once the client has the result). The
+        workers' teardowns go on after the reply: a fit call does not wait for them."""
         shell = self.jobs.pop(job, None)
         if shell is not None:
             shell.feed(Cancel())
             if not shell.done.is_set():
                 shell.result = {"error": to_serialize(ErrorReply.from_exception(RuntimeError(f"job {job} was stopped")))}
                 shell.done.set()
-        await asyncio.gather(
+        task = asyncio.ensure_future(asyncio.gather(
             *[self.scheduler.rpc(w).dlspark_teardown(job=job) for w in list(self.scheduler.workers)],
             return_exceptions=True,
-        )
+        ))
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
         return {}
