@@ -130,7 +130,9 @@ def train(script, args, scheduler, slurm, local, client_cpu, timeout):
     cluster, pin, n = None, False, 0
     if slurm is not None:
         options = parse_slurm_options(slurm)
-        n = int(options.pop("workers", 1))
+        n = options.pop("workers", 1)
+        if not isinstance(n, int) or n < 1:
+            raise click.BadParameter(f"workers must be a whole number >= 1, got {n!r}", param_hint="--slurm")
         try:
             cluster = slurm_cluster(n, **options)
         except TypeError as e:

@@ -208,5 +208,7 @@ def test_command_line_errors_name_the_problem():
         "workers": 2, "memory_limit": "4GB", "gpus_per_worker": 1, "queue": "gpu"}
     result = runner.invoke(main, ["train", str(ROOT / "examples" / "train_digits.py"), "--slurm", "workers"])
     assert result.exit_code == 2 and "expected KEY=VALUE pairs" in result.output
+    result = runner.invoke(main, ["train", str(ROOT / "examples" / "train_digits.py"), "--slurm", "workers=0,queue=gpu"])
+    assert result.exit_code == 2 and "workers must be a whole number >= 1, got 0" in result.output
     result = runner.invoke(main, ["train", "no/such/script.py"])
     assert result.exit_code == 2 and "does not exist" in result.output

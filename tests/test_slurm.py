@@ -86,11 +86,12 @@ def _minibatches_per_epoch(trainer):
 
 def test_workers_are_slurm_jobs_with_dlsparks_environment(cluster):
     c, client = cluster
-    seen = client.run(lambda: (os.environ.get("SLURM_JOB_ID"), os.environ.get("JAX_PLATFORMS"),
-                               os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"), __import__("multiprocessing").current_process().name))
+    seen = client.run(lambda dask_worker: (os.environ.get("SLURM_JOB_ID"), os.environ.get("JAX_PLATFORMS"),
+                                           os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
+                                           "spawn_main" in open("/proc/self/cmdline").read(), dask_worker.state.nthreads))
     assert sorted(str(j) for j in _job_ids(c, client).values()) == sorted(v[0] for v in seen.values())
-    # a CPU job's worker runs JAX on CPU, in a spawned process that the job's nanny started
-    assert {v[1:] for v in seen.values()} == {("cpu", "false", "Dask Worker process (from Nanny)")}
+    # a CPU job's worker runs JAX on CPU, in a process its nanny spawned (not forked), with one thread
+    assert {v[1:] for v in seen.values()} == {("cpu", "false", True, 1)}
 
 
 def test_parameter_averaging_on_two_slurm_workers_reaches_the_digits_accuracy(cluster, make_net, digits):
@@ -108,12 +109,13 @@ def test_gradient_sharing_on_two_slurm_workers_reaches_the_digits_accuracy(clust
     net = make_net(MLP(hidden=128), updater=optax.adam(3e-3))
     master = GradientSharing(batch_size_per_worker=16, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2))
     trainer = DistributedTrainer(client, net, master, progress=False)
-    for epoch in range(1, 21):  # asynchronous steps: each run's trajectory differs
+    for epoch in range(1, 31):  # asynchronous steps: each run's trajectory differs (the core test's bound)
         trainer.fit(tr)
         if accuracy(net, te) >= 0.95:
             break
     assert accuracy(net, te) >= 0.95, f"below 95% after {epoch} epochs"
-    assert trainer.communication["bytes_sent"] * 20 <= trainer.communication["dense_bytes"]
+    comm = trainer.communication
+    assert comm["bytes_sent"] * 20 <= comm["dense_bytes"], comm
 
 
 def test_adapt_adds_a_slurm_worker_mid_fit_and_it_trains(cluster, make_net, digits, tmp_path):
