@@ -96,7 +96,63 @@ def test_target_sparsity_and_fixed():
     assert red.threshold == pytest.approx(2e-3)
 
 
+def _adam_like_steps(threshold_algorithm, steps=60, n=20000, seed=0):
+    """Encode ``steps`` updates of Adam's shape (every element about the learning rate, signs
+    that mostly persist) through ``threshold_algorithm``; returns each step's sparsity and the
+    final state."""
+    rng = np.random.default_rng(seed)
+    sign, scale = rng.choice([-1.0, 1.0], n), rng.uniform(0.05, 1.0, n)
+    r = np.zeros(n, np.float32)
+    state, sparsities = threshold_algorithm.init(), []
+    for _ in range(steps):
+        flip = rng.random(n) < 0.3
+        r += (1e-3 * np.where(flip, -sign, sign) * scale).astype(np.float32)
+        state = threshold_algorithm.prepare(state, r)
+        enc = threshold_encode(r, state.threshold, out=r)
+        sparsities.append(enc.count / n)
+        state = threshold_algorithm.update(state, 1 / 16 if enc.format == BITMAP else enc.count / n)
+    return np.array(sparsities), state
+
+
+@pytest.mark.parametrize("algorithm, aimed, band", [
+    (AdaptiveThreshold(), 1e-3, (1e-4, 1e-2)),
+    (AdaptiveThreshold(min_sparsity=1e-3, max_sparsity=4e-2), (1e-3 * 4e-2) ** 0.5, (1e-3, 4e-2)),
+    (TargetSparsityThreshold(target=5e-3), 5e-3, (5e-3 / 3, 5e-3 * 3)),
+])
+def test_warm_up_holds_the_aimed_sparsity_from_the_first_step(algorithm, aimed, band):
+    assert np.isnan(algorithm.init().threshold)
+    sparsity, state = _adam_like_steps(algorithm)
+    # the warm-up's steps send the aimed-at share of the residual, exactly (ties aside)
+    np.testing.assert_allclose(sparsity[:algorithm.warmup], aimed, rtol=0.02)
+    assert state.steps == 60 and np.isfinite(state.threshold)
+    # steered from there: never a dense step, and on average in the band (near the target)
+    after = sparsity[algorithm.warmup:]
+    assert after.max() < 1 / 32 and band[0] <= after.mean() <= band[1], after
+
+
+def test_a_fixed_start_as_dl4j_sends_dense_steps_first():
+    # DL4J's start (1e-3) below the accumulating residual: the first steps move most elements
+    sparsity, _ = _adam_like_steps(AdaptiveThreshold(initial=1e-3))
+    assert sparsity[1:10].min() > 0.1
+    warm, _ = _adam_like_steps(AdaptiveThreshold())
+    assert warm.sum() * 10 < sparsity.sum()
+
+
+def test_a_carried_threshold_does_not_warm_up_again():
+    a = AdaptiveThreshold(warmup=3)
+    _, state = _adam_like_steps(a, steps=5)
+    red = a.reduce([state, ThresholdState(float("nan"))])
+    assert red.steps == 5 and red.threshold == pytest.approx(state.threshold)
+    r = np.random.default_rng(3).normal(size=1000).astype(np.float32)
+    assert a.prepare(red, r) == red
+    # a state from before the step count (two fields) warms up
+    assert a.prepare(ThresholdState(0.5), r).threshold != 0.5
+    assert AdaptiveThreshold(initial=0.5).prepare(ThresholdState(0.5), r).threshold == 0.5
+
+
 @pytest.mark.parametrize("bad, match", [
+    (lambda: AdaptiveThreshold(warmup=0), r"warmup must be an integer >= 1"),
+    (lambda: TargetSparsityThreshold(initial=0.0), "initial must be a positive number"),
     (lambda: AdaptiveThreshold(decay=0.4), r"decay must be in \[0.5, 1\)"),
     (lambda: AdaptiveThreshold(decay=1.0), r"decay must be in \[0.5, 1\)"),
     (lambda: TargetSparsityThreshold(target=1 / 16), r"target must be in \(0, 1/16\)"),

@@ -39,7 +39,9 @@ class GradientSharing(Algorithm):
     repartition, repartition_strategy, collect_training_stats
         As in :class:`ParameterAveraging`.
     threshold_algorithm : AdaptiveThreshold, TargetSparsityThreshold or FixedThreshold
-        How each worker's threshold moves (default: adaptive, sparsity in [1e-4, 1e-2]).
+        How each worker's threshold moves (default: adaptive, sparsity in [1e-4, 1e-2], the
+        first 20 thresholds taken from each worker's residual so that they send 1e-3 of
+        its elements; DL4J starts from a fixed 1e-3, ``AdaptiveThreshold(initial=1e-3)``).
     residual_post_processor : ResidualClipping or NoResidualPostProcessing
         Default: clip the residual to ±5 thresholds every 5 iterations.
     workers_per_node : int, optional
@@ -64,8 +66,8 @@ class GradientSharing(Algorithm):
 
     Examples
     --------
-    >>> GradientSharing(batch_size_per_worker=16).threshold_algorithm.initial
-    0.0001
+    >>> GradientSharing(batch_size_per_worker=16).threshold_algorithm
+    AdaptiveThreshold(initial=None, min_sparsity=0.0001, max_sparsity=0.01, decay=0.9659363289248456, warmup=20)
     """
 
     batch_size_per_worker: int = 32

@@ -179,6 +179,7 @@ class SharingState:
                 state = state.replace(rng=rng)  # as in train_step: no replay of the same dropout mask
                 continue
             self.residual += flat
+            self.tstate = self.algo.prepare(self.tstate, self.residual)
             t = self.tstate.threshold
             # In place; a step that would move fewer than 2 elements sends an EMPTY note.
             enc = threshold_encode(self.residual, t, out=self.residual, scratch=self.scratch, min_count=2)
