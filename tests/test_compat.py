@@ -293,14 +293,21 @@ def test_fit_paths_on_files_written_by_spark_executors(sc, cluster, tmp_path):
 
     directory = str(tmp_path / "minibatches")
     written = sc.parallelize(range(3), 3).mapPartitionsWithIndex(partial(write_shard, directory, 3)).count()
-    paths = sc.parallelize(dlspark.data.list_minibatches(directory), 3)
+    paths = sc.parallelize(dlspark.data.list_minibatches(directory), 3).cache()  # read by every epoch
     assert paths.count() == written
     epochs = 8
     model = new_net(seed=1, hidden=256, updater=optax.adam(optax.cosine_decay_schedule(1e-2, epochs * written // 2)))
     tm = ParameterAveragingTrainingMaster.Builder(16).batchSizePerWorker(16).build()
     sparkNet = SparkDl4jMultiLayer(sc, model, tm)
-    for _ in range(epochs):
+
+    def spark_jobs():
+        return len(sc.statusTracker().getJobIdsForGroup())
+
+    for epoch in range(epochs):
+        if epoch == 1:
+            jobs = spark_jobs()
         sparkNet.fitPaths(paths)
+    assert spark_jobs() == jobs  # the persisted RDD's paths were collected by the first epoch only
     _, test = local_digits()
     accuracy = float((model.output(test.features).argmax(1) == test.labels.argmax(1)).mean())
     assert accuracy >= 0.95, accuracy
@@ -312,9 +319,10 @@ def test_fit_paths_on_files_written_by_spark_executors(sc, cluster, tmp_path):
     missing = str(tmp_path / "minibatches" / "missing.npz")
     with pytest.raises(CorruptMinibatchError, match="missing.npz.*not found"):
         sparkNet.fit_paths(sc.parallelize(dlspark.data.list_minibatches(directory) + [missing], 2))
-    before = model.iteration
+    before, jobs = model.iteration, spark_jobs()
+    paths.unpersist()  # no longer kept by Spark: collected again
     sparkNet.fitPaths(paths)
-    assert model.iteration == before + written
+    assert model.iteration == before + written and spark_jobs() > jobs
 
 
 def keyed_shard(index, iterator):

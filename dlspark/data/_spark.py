@@ -132,10 +132,19 @@ def collect_paths(rdd, what: str = "fitPaths") -> list:
     strings: no file is read here). ``what`` names the call in the error for other elements.
 
     The partitions are coalesced to one task per core first: a Python task costs about
-    0.1 s here whatever it holds, and a list of paths is light.
+    0.1 s here whatever it holds, and a list of paths is light. A persisted RDD
+    (``cache()``/``persist()``, as for an RDD that every epoch's ``fitPaths`` reads)
+    is collected once: Spark keeps its contents, so the strings are kept with it
+    until it is unpersisted.
     """
+    kept = rdd.__dict__.get("_dlspark_paths") if rdd.is_cached else None
+    if kept is not None:
+        return list(kept)
     tasks = max(1, min(rdd.getNumPartitions(), rdd.context.defaultParallelism))
-    return _raise_failures(rdd.coalesce(tasks).mapPartitions(partial(_paths_partition, what)).collect())
+    paths = _raise_failures(rdd.coalesce(tasks).mapPartitions(partial(_paths_partition, what)).collect())
+    if rdd.is_cached:
+        rdd._dlspark_paths = tuple(paths)
+    return paths
 
 
 def _export_items(directory, batch_size, index, iterator):
