@@ -3,9 +3,10 @@
 1. a plain single-process loop: a bare ``jax.jit`` + optax step over numpy
    minibatches (one core), the field's plain tool and the baseline;
 2. dlspark's own ``Network.fit`` in one process (its overhead over the plain loop);
-3. dlspark parameter averaging on 2 workers;
-4. dlspark gradient sharing on 2 workers;
-5. PyTorch DistributedDataParallel (gloo) on 2 CPU processes.
+3. dlspark's ParallelWrapper (averaging, sharing) in one process over 2 CPU devices;
+4. dlspark parameter averaging on 2 workers;
+5. dlspark gradient sharing on 2 workers;
+6. PyTorch DistributedDataParallel (gloo) on 2 CPU processes.
 
 Every contender is warmed the same way: every minibatch shape (the full one
 and the last partial one) is compiled (or run once, for torch) outside the
@@ -207,6 +208,41 @@ def run_dlspark(tr, te, target, max_epochs, algorithm, client, name):
     return r
 
 
+def run_parallel(tr, te, target, max_epochs, algorithm, name):
+    """dlspark's ParallelWrapper in one process over 2 CPU devices (the process's 2 cores),
+    warmed as the others: a short fit compiles every shape, then the initial state again."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2)  # before JAX starts in this process
+    import dlspark
+
+    from _common import make_master
+
+    batch = ARCH[name][1]
+    net = _net(tr, name)
+    master = make_master(algorithm, batch, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2))
+    wrapper = dlspark.ParallelWrapper(net, master, devices=2, progress=False)
+    wrapper.fit(tr[: 16 * batch])
+    if len(tr) % batch:
+        wrapper.fit(tr[: 16 * batch + len(tr) % batch])
+    _acc(net, te)
+    net.state = net.init_state()
+    wrapper.algorithm_state.clear()
+    steps = {"n": 0, "bytes": 0}
+
+    def epoch():
+        wrapper.fit(tr)
+        jax.block_until_ready(net.state)
+        stats = wrapper.last_fit_stats
+        steps["n"] += sum(s["minibatches"] for s in stats)
+        steps["bytes"] += sum(s.get("bytes_sent", s.get("bytes_equivalent", 0)) for s in stats)
+
+    r = _run_epochs(epoch, lambda: _acc(net, te), target, max_epochs)
+    r["examples_per_s"] = max_epochs * len(tr) / r["train_time"]
+    r["bytes_per_step"] = steps["bytes"] / max(steps["n"], 1)  # what a cluster would have sent
+    return r
+
+
 def _ddp_rank(rank, world, tr_x, tr_y, te_x, te_y, target, max_epochs, port, out, name):
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     import torch
@@ -304,6 +340,10 @@ def main(argv=None):
             runs["jax_single_process"] = pool.apply(run_plain, (tr, te, target, ep, name))
         with ctx.Pool(1) as pool:
             runs["dlspark_network_fit"] = pool.apply(run_network_fit, (tr, te, target, ep, name))
+        for algorithm in ("averaging", "sharing"):
+            with ctx.Pool(1) as pool:  # one process, two CPU devices
+                runs[f"dlspark_parallel_wrapper_{algorithm}"] = pool.apply(
+                    run_parallel, (tr, te, target, ep, algorithm, name))
         with local_cluster(2) as cluster, Client(cluster) as client:
             runs["dlspark_parameter_averaging"] = run_dlspark(tr, te, target, ep, "averaging", client, name)
             runs["dlspark_gradient_sharing"] = run_dlspark(tr, te, target, ep, "sharing", client, name)
