@@ -25,6 +25,9 @@ def test_the_xla_encoder_has_the_host_encoders_bits(n, log_scale, ratio, ties, s
     assert np.array_equal(decode(enc.message).view(np.int32), moved.view(np.int32))
     assert np.array_equal(enc.residual.view(np.int32), residual.view(np.int32))
     assert int(count) == enc.count
+    # decode(encode(r)) + residual == r, bit for bit, on the device as on the host
+    assert np.array_equal((moved + residual).view(np.int32), r.view(np.int32))
+    assert np.array_equal((decode(enc.message) + enc.residual).view(np.int32), r.view(np.int32))
     assert message_bytes(int(count), n) == enc.message.nbytes
     fmt = int(enc.message[0])
     assert sparsity_of(int(count), n) == (1 / 16 if fmt == 2 else enc.count / n if fmt == 1 else 0.0)
