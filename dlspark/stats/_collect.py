@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from ._clock import Clock, measure_offset
+from ._recorder import NULL, Recorder
 from ._summary import TrainingStats, events_from_raw
 
 __all__ = ["measure_workers", "gather_job", "measure_scheduler", "assemble"]
@@ -102,11 +103,9 @@ def assemble(job: str, algorithm: str, rounds, gathered: dict, client_events, cl
 
 class ClientSide:
     """The client's part of a job's statistics: its events, its clock against the
-    scheduler's, and the assembly at the end. ``None``-like when statistics are off."""
+    scheduler's, and the assembly at the end (:class:`NoClientSide` when they are off)."""
 
     def __init__(self, client, export_span=None):
-        from ._recorder import Recorder
-
         self.client = client
         self.rec = Recorder()
         self.window_start = export_span[0] if export_span else self.rec.now()
@@ -127,7 +126,7 @@ class ClientSide:
 
 
 class NoClientSide:
-    def span(self, phase, **fields):
-        from ._recorder import NULL
+    """Statistics off: spans that record nothing."""
 
+    def span(self, phase, **fields):
         return NULL.span(phase)

@@ -12,8 +12,11 @@ connects its own pages; bokeh is imported only then.
 from __future__ import annotations
 
 import collections
+import logging
 
 __all__ = ["LivePage", "dashboard_link", "round_table"]
+
+logger = logging.getLogger(__name__)
 
 ROUTE = "/dlspark"
 _PHASE_COLUMNS = ("fit", "data_wait", "combine", "other")
@@ -65,7 +68,10 @@ class LivePage:
         apps = getattr(getattr(scheduler, "http_application", None), "applications", [])
         dashboards = [a for a in apps if type(a).__name__.endswith("BokehTornado")]
         if dashboards:
-            page._serve(scheduler, dashboards[0])
+            try:
+                page._serve(scheduler, dashboards[0])
+            except Exception:  # the page is a convenience: a job must not fail for it
+                logger.exception("dlspark: could not add the /dlspark page to the dashboard")
         return page
 
     def _serve(self, scheduler, dashboard):

@@ -21,10 +21,11 @@ def _bokeh():
 
 
 def _palette(n):
-    from bokeh.palettes import Category20
+    from bokeh.palettes import Category20, Category20b, Category20c
 
-    colours = list(Category20[20])
-    colours = colours[0::2] + colours[1::2]  # the strong shades first
+    strong, light = list(Category20[20])[0::2], list(Category20[20])[1::2]
+    b, c = list(Category20b[20]), list(Category20c[20])
+    colours = strong + b[0::4] + b[2::4] + c[0::4] + c[2::4] + light  # 40, no repeats
     return [colours[i % len(colours)] for i in range(n)]
 
 
@@ -68,6 +69,7 @@ def _timeline(stats, phases, colours):
                                     ("lane", "@lane")]))
     p.legend.location = "top_left"
     p.legend.orientation = "horizontal"
+    p.legend.nrows = max(1, -(-len(phases) // 12))  # at most 12 phases a row: the legend fits the width
     p.add_layout(p.legend[0], "below")
     p.legend.click_policy = "hide"
     return p

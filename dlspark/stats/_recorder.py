@@ -6,7 +6,7 @@ machines; :mod:`._clock` brings every wall clock onto the scheduler's), its
 duration in seconds, the *lane* it belongs to (``"main"``: the round's own path
 on a worker, compute thread and order handling; ``"loader"``: the minibatch
 loading thread; ``"comms"``: serving peers), the round it belongs to (or None),
-and optional figures (``bytes``, ``examples``, ``threshold``...).
+and optional figures (``bytes``, ``examples``, ``threshold``...) as a dict.
 
 The main lane is recorded with a cursor: :meth:`Recorder.mark` closes the phase
 that ran since the previous mark, so a round's main-lane events tile it without
