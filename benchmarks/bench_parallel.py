@@ -1,4 +1,5 @@
-"""Per-device efficiency of ParallelWrapper: one process, its CPU devices, no cluster.
+"""Per-device efficiency of ParallelWrapper (averaging and gradient sharing): one process, its
+CPU devices, no cluster.
 
 efficiency = (steps/s of one device inside a ParallelWrapper fit) / (steps/s of
 the same jitted step in a plain process pinned to one core). The wrapper runs
@@ -32,12 +33,16 @@ BATCH = {"mlp": 160, "cnn": 16}
 FREQ = 5
 
 
-def run_wrapper(kind, batch, freq, n_rounds, devices, fused=True):
-    """Runs in the wrapper's own process: a warm-up fit (compilation), then the timed fit."""
+def run_wrapper(kind, batch, freq, n_rounds, devices, fused=True, algorithm="averaging"):
+    """Runs in the wrapper's own process: a warm-up fit (compilation), then the timed fit. With
+    gradient sharing a round is ``freq`` steps per device (``steps_per_round``)."""
     import dlspark
 
     net = make_network(kind)
-    master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq, fused_steps=fused)
+    if algorithm == "averaging":
+        master = dlspark.ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=freq, fused_steps=fused)
+    else:
+        master = dlspark.GradientSharing(batch_size_per_worker=batch, steps_per_round=freq)
     wrapper = dlspark.ParallelWrapper(net, master, devices=devices, progress=False)
     wrapper.fit(make_data(batch * freq * devices * 4, kind))
     data = make_data(batch * freq * devices * n_rounds, kind)
@@ -48,12 +53,13 @@ def run_wrapper(kind, batch, freq, n_rounds, devices, fused=True):
     steps = sum(s["minibatches"] for s in stats) / devices
     wall = sum(s["round_time"] for s in stats)
     return {"steps_per_s": steps / wall, "whole_fit_steps_per_s": n_rounds * freq / whole,
-            "data_wait_share": sum(s["data_wait"] for s in stats) / wall, "params": net.num_params,
+            "data_wait_share": sum(s.get("data_wait", 0.0) for s in stats) / wall, "params": net.num_params,
             "cpu_ms_per_step": 1000 * cpu / (n_rounds * freq * devices),
             "device": str(wrapper.devices[0].platform)}
 
 
-def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fused=True, one_thread=False):
+def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fused=True, one_thread=False,
+                             algorithm="averaging"):
     code = textwrap.dedent(f"""
         import json, os, sys
         os.sched_setaffinity(0, set(range({devices})))  # before JAX starts
@@ -61,7 +67,7 @@ def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fus
         jax.config.update("jax_num_cpu_devices", {devices})
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from bench_parallel import run_wrapper
-        print(json.dumps(run_wrapper({kind!r}, {batch}, {freq}, {n_rounds}, {devices}, {fused})))
+        print(json.dumps(run_wrapper({kind!r}, {batch}, {freq}, {n_rounds}, {devices}, {fused}, {algorithm!r})))
     """)
     env = dict(os.environ)
     if one_thread:  # each device's ops on one thread, as the pinned baseline's are
@@ -70,15 +76,15 @@ def wrapper_steps_per_second(kind, batch, freq=FREQ, n_rounds=40, devices=2, fus
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ, fused=True, one_thread=False):
+def measure(kind="mlp", n_rounds=40, devices=2, freq=FREQ, fused=True, one_thread=False, algorithm="averaging"):
     batch = BATCH[kind]
     load = os.getloadavg()[0]
     before, cpu_before = plain_steps_per_second(kind, batch)
-    job = wrapper_steps_per_second(kind, batch, freq, n_rounds, devices, fused, one_thread)
+    job = wrapper_steps_per_second(kind, batch, freq, n_rounds, devices, fused, one_thread, algorithm)
     after, cpu_after = plain_steps_per_second(kind, batch)
     plain = (before + after) / 2
     concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(devices)))
-    return {"algorithm": "averaging", "network": kind, "devices": devices, "frequency": freq, "fused_steps": fused,
+    return {"algorithm": algorithm, "network": kind, "devices": devices, "frequency": freq, "fused_steps": fused,
             "one_thread_per_device": one_thread,
             "wrapper_steps_per_s_per_device": job["steps_per_s"], "plain_steps_per_s": plain,
             "efficiency": job["steps_per_s"] / plain,
@@ -105,7 +111,22 @@ class ParallelWrapperEfficiency:
         return measure(kind, fused=fused)["efficiency"]
 
 
+class ParallelWrapperSharingEfficiency:
+    """asv: gradient sharing's per-device efficiency over 2 CPU devices (a ratio)."""
+
+    timeout = 300
+    timer = timeit.default_timer
+    unit = "ratio"
+
+    params = (["mlp", "cnn"],)
+    param_names = ["network"]
+
+    def track_sharing_efficiency_2_devices(self, kind):
+        return measure(kind, algorithm="sharing")["efficiency"]
+
+
 if __name__ == "__main__":
     for kind in sys.argv[1:] or ["mlp", "cnn"]:
         for fused in (True, False):
             print(json.dumps(measure(kind, fused=fused)))
+        print(json.dumps(measure(kind, algorithm="sharing")))
