@@ -167,11 +167,15 @@ class SharingState:
         losses, stats, nbytes, examples = [], [], 0, 0
         stale_wait = 0.0
         state = job.state
+        rec = job.stats
         for done, (n_examples, batch) in enumerate(batches):
             stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
+            rec.mark("wait_peers")
             flat, opt, ms, rng, loss, finite = self.flat_update(state, batch)
             flat = np.asarray(flat)
-            if not bool(finite):
+            finite = bool(finite)
+            rec.mark("fit", examples=n_examples)
+            if not finite:
                 # The network's policy, as in local and averaged training: stop with the
                 # parameters from before this step, or skip the minibatch.
                 job.state = state
@@ -185,6 +189,9 @@ class SharingState:
             enc = threshold_encode(self.residual, t, out=self.residual, scratch=self.scratch, min_count=2)
             self.step += 1
             message = enc.message
+            if rec.on:
+                rec.mark("encode", step=self.step, threshold=float(t), sparsity=enc.count / self.n,
+                         bytes=int(message.nbytes))
             total = self.totals[self.step % 2]
             total.fill(0)
             if message[0] != EMPTY:
@@ -193,14 +200,20 @@ class SharingState:
                 self.applied.add((job.address, self.step))
                 self.store[(job.address, self.step)] = message
             send(self.step, message)
+            rec.mark("send")
             nbytes += message.nbytes * len(peers)
             self._drain_into(total)
+            rec.mark("decode")
             state = self.apply_flat(state, jax.dlpack.from_dlpack(total) if self.in_place else jnp.asarray(total),
                                     opt, ms, rng)
+            if rec.on:  # the apply's own time: wait for it (only while recording)
+                jax.block_until_ready(state)
+                rec.mark("apply")
             self.residual = self.post.update(self.residual, t, self.step)
             fmt = int(message[0])
             sparsity = 1.0 / 16 if fmt == BITMAP else (enc.count / self.n if fmt != EMPTY else 0.0)
             self.tstate = self.algo.update(self.tstate, sparsity)
+            rec.mark("threshold")
             if self.debug:
                 stats.append({"step": self.step, "threshold": float(t), "sparsity": enc.count / self.n,
                               "format": ["empty", "sparse", "bitmap"][fmt], "bytes": int(message.nbytes),
