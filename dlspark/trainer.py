@@ -13,6 +13,7 @@ from .data._exports import Exports
 from .data._sources import SourceContext, path_minibatches
 from .distributed._client import check_fit_args, install_plugins, run_fit
 from .network import Network
+from .stats import TrainingStats
 
 __all__ = ["DistributedTrainer"]
 
@@ -38,8 +39,12 @@ class DistributedTrainer:
     Attributes
     ----------
     loss_history : list of (round, epoch, mean loss)
-    training_stats : list of dict
-        Every round's statistics, with ``collect_training_stats=True``.
+    training_stats : dlspark.stats.TrainingStats
+        With ``collect_training_stats=True``: every round's record (iterating
+        over it gives them, as over a list) and every timed event of every
+        worker, the scheduler and the client on the scheduler's clock, with
+        ``summary()``, ``stats_as_string()``, ``to_dataframe()``,
+        ``export_json(url)`` and ``export_html(url)``.
     last_fit_stats : list of dict
         The last fit's round statistics.
     algorithm_state : dict
@@ -79,7 +84,7 @@ class DistributedTrainer:
         self.client, self.network, self.master, self.progress = client, network, master, progress
         self.eval_num_workers, self.eval_batch_size = eval_num_workers, eval_batch_size
         self.loss_history: list = []
-        self.training_stats: list = []
+        self.training_stats = TrainingStats()
         self.last_fit_stats: list = []
         self.algorithm_state: dict = {}
         self.published: dict = {}
