@@ -204,7 +204,8 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
             if shell.client == client:
                 shell.feed(ClientBack())
 
-    async def _start(self, job, workers, spec, partitions, master, options, client=None):
+    async def _start(self, job, workers, spec, partitions, master, options, client=None, wait=False):
+        """Start a job; with ``wait``, answer with its result once it is done (as ``_wait``)."""
         if job in self.jobs:
             raise ValueError(f"job {job!r} is already running")
         master = cloudpickle.loads(master)
@@ -216,7 +217,7 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
             shell.clocks = await measure_workers(self.scheduler.rpc, workers)
         self.live.job_started(job, master, workers)
         shell.feed(Start())
-        return {}
+        return (await self._wait(job)) if wait else {}
 
     async def _wait(self, job):
         shell = self.jobs[job]
