@@ -136,7 +136,6 @@ class Recorder:
         self._cursor = None  # main lane: where the next mark's phase began
         self._idle_from = None  # main lane: when the last order was answered
         self._compiled: dict = {}  # lane -> compile seconds not yet taken out of a phase
-        _listen_to_jax()
 
     now = staticmethod(_now)
 
@@ -160,6 +159,7 @@ class Recorder:
     # -- compilations -------------------------------------------------------------
     def bind(self, lane: str = "main"):
         """JAX compilations on the calling thread count as this recorder's, on ``lane``."""
+        _listen_to_jax()
         _local.bound = (self, lane)
 
     def unbind(self):
