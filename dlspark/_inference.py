@@ -60,7 +60,7 @@ def _check_evaluations(evaluations):
 
 
 def do_evaluation(client, net_future, data, evaluations, batch_size, *, loader=None, storage_options=None,
-                  threads=1, n_workers=1):
+                  threads=1, n_workers=1, output=None):
     """Fill ``evaluations`` in one pass over ``data`` on the cluster; returns them, in order.
 
     Parameters
@@ -81,12 +81,17 @@ def do_evaluation(client, net_future, data, evaluations, batch_size, *, loader=N
         Minibatches each task evaluates at once.
     n_workers : int
         The data is split into ``2 * n_workers`` parts.
+    output : int, optional
+        Which output of a multi-output network to evaluate (against the labels of the
+        same index); a multi-output network without it is refused.
     """
     _check_evaluations(evaluations)
     evaluations = list(evaluations)
     ctx = SourceContext(client, batch_size, storage_options=storage_options, loader=loader)
     kind, parts = evaluation_parts(data, ctx, max(1, 2 * n_workers))
-    args = (evaluations, batch_size, loader, storage_options, threads)
+    if output is not None and (isinstance(output, bool) or not isinstance(output, (int, np.integer)) or output < 0):
+        raise ValueError(f"output must be an output index >= 0 or None, got {output!r}")
+    args = (evaluations, batch_size, loader, storage_options, threads, output)
     if kind == "refs":
         futures = [client.submit(evaluate_part, net_future, p, *args, pure=False) for p in parts]
     else:
@@ -108,7 +113,21 @@ def _batches(ds, batch_size):
     return ds.batches(batch_size) if batch_size and len(ds) > batch_size else [ds]
 
 
-def evaluate_part(blob, refs, evaluations, batch_size, loader=None, storage_options=None, threads=1):
+def _one_output(out, labels, lmask, output):
+    """The predictions, labels and label mask of the output evaluated."""
+    if not isinstance(out, tuple):
+        if output not in (None, 0):
+            raise ValueError(f"output={output} but this network has one output; leave output out")
+        return out, labels, lmask
+    if output is None:
+        raise ValueError(f"this network has {len(out)} outputs; evaluate one at a time with output=0 .. "
+                         f"{len(out) - 1}, e.g. trainer.evaluate(data, output=1)")
+    if output >= len(out):
+        raise ValueError(f"output={output} but this network has {len(out)} outputs (0 .. {len(out) - 1})")
+    return out[output], labels[output], None if lmask is None else lmask[output]
+
+
+def evaluate_part(blob, refs, evaluations, batch_size, loader=None, storage_options=None, threads=1, output=None):
     """Runs on a worker: fill copies of ``evaluations`` from the minibatches ``refs``; each is read once."""
     net = _network(blob)
     evals = [copy.deepcopy(e) for e in evaluations]
@@ -119,8 +138,7 @@ def evaluate_part(blob, refs, evaluations, batch_size, loader=None, storage_opti
         for b in _batches(ds, batch_size):
             _, labels, fmask, lmask = b.jit_batch()
             out = net.output(b.features, features_mask=fmask)
-            if isinstance(out, tuple):  # multi-output networks are evaluated on their first output
-                out, labels, lmask = out[0], labels[0], lmask[0]
+            out, labels, lmask = _one_output(out, labels, lmask, output)
             with lock:
                 for e in evals:
                     e.update(labels, out, lmask)
@@ -149,7 +167,7 @@ def predict_with_keys(client, net_future, keyed_features, batch_size, features_m
     net_future : distributed.Future
         Of :func:`network_blob`.
     keyed_features : dict, list of (key, array) pairs or dask bag of pairs
-        A bag returns a bag (``features_mask`` is not used for it).
+        A bag returns a bag; its keys are checked unique when it is computed.
     batch_size : int
     features_mask : dict, optional
         Key -> per-example mask.
@@ -161,8 +179,13 @@ def predict_with_keys(client, net_future, keyed_features, batch_size, features_m
         import dask
         import dask.bag as db
 
-        return db.from_delayed([dask.delayed(predict_part)(net_future, part, batch_size)
-                                for part in items.to_delayed()])
+        parts = items.to_delayed()
+        # One check over every partition's keys, which each output partition waits on: a key
+        # repeated across partitions is refused as it is within one.
+        unique = dask.delayed(_check_bag_keys)([dask.delayed(_keys_of)(p) for p in parts])
+        masks = None if features_mask is None else client.scatter(dict(features_mask), broadcast=True, hash=False)
+        return db.from_delayed([dask.delayed(predict_part)(net_future, part, batch_size, masks, unique)
+                                for part in parts])
     if not items:
         return {} if kind == "dict" else []
     workers = list(workers or sorted(client.scheduler_info()["workers"]))
@@ -202,12 +225,30 @@ def unstack_outputs(keys, out):
     return [(k, out[i]) for i, k in enumerate(keys)]
 
 
-def predict_part(blob, items, batch_size):
-    """Runs on a worker: ``[(key, features)] -> [(key, outputs)]`` (dask bag partitions)."""
+def _keys_of(items):
+    return [k for k, _ in items]
+
+
+def _check_bag_keys(key_lists):
+    from .data._sources import check_unique
+
+    check_unique((k for keys in key_lists for k in keys), "the keyed features bag")
+    return True
+
+
+def predict_part(blob, items, batch_size, features_mask=None, _checked=None):
+    """Runs on a worker: ``[(key, features)] -> [(key, outputs)]`` (dask bag partitions);
+    ``features_mask`` maps keys to per-example masks (every key of the partition needs one)."""
     if not items:
         return []
     keys = [k for k, _ in items]
-    return unstack_outputs(keys, predict_stacked(blob, stack_examples([f for _, f in items]), batch_size))
+    mask = None
+    if features_mask is not None:
+        missing = [k for k in keys if k not in features_mask]
+        if missing:
+            raise KeyError(f"features_mask has no mask for key {missing[0]!r}; give one for every key")
+        mask = np.stack([np.asarray(features_mask[k]) for k in keys])
+    return unstack_outputs(keys, predict_stacked(blob, stack_examples([f for _, f in items]), batch_size, mask))
 
 
 # -- scoring -----------------------------------------------------------------------------

@@ -192,6 +192,68 @@ def _client_cpu(client_cpu):
         keep_client_on_cpu()
 
 
+_GUARD_HELP = (
+    "dlspark starts its worker processes with 'spawn', which runs your script again in every "
+    "worker; the code that starts a cluster (local_cluster, DistributedTrainer(None, ...)) must "
+    "sit under the main-module guard, e.g.\n\n"
+    "    if __name__ == \"__main__\":\n"
+    "        trainer = dlspark.DistributedTrainer(None, net, master)\n"
+    "        trainer.fit(data)\n"
+)
+
+
+def _is_main_guard(node) -> bool:
+    import ast
+
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    names = [node.test.left, *node.test.comparators]
+    return (any(isinstance(n, ast.Name) and n.id == "__name__" for n in names)
+            and any(isinstance(n, ast.Constant) and n.value == "__main__" for n in names))
+
+
+def _unguarded_main_line():
+    """The line of the running script that starts a cluster outside ``if __name__ == "__main__":``,
+    or None (guarded, interactive, or not started from a script's module-level code)."""
+    import ast
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py") or not os.path.exists(path):
+        return None
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if _is_main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return None
+    return f"{path}, line {line}"
+
+
+def check_main_guard():
+    """Refuse to start worker processes from a script's unguarded module-level code.
+
+    Without the guard every spawned worker would run the script again and try to start a
+    cluster of its own: multiprocessing stops it with a bootstrapping error in the worker, and
+    the cluster waits for workers that never come.
+    """
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError("a dlspark cluster was started while a worker process was importing the script. "
+                           + _GUARD_HELP)
+    where = _unguarded_main_line()
+    if where is not None:
+        raise RuntimeError(f"{where} starts a dlspark cluster at the top level of the script. " + _GUARD_HELP)
+
+
 def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=None, preallocate: bool | None = None,
                   memory_fraction: float | None = None, platform: str | None = None,
                   client_cpu: bool | None = None, **kwargs):
@@ -228,6 +290,8 @@ def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=No
     import dask
     from distributed import LocalCluster
 
+    if kwargs.get("processes", True):
+        check_main_guard()
     gpu_platform, found = gpu_devices()
     devices = found if devices is None else [str(d) for d in devices]
     gpu_platform = gpu_platform or "cuda"

@@ -103,8 +103,9 @@ class Algorithm:
     def create_run_on_worker(self, worker, job: str, spec, state: bytes, rank: int):
         raise NotImplementedError
 
-    def resume_state(self, meta: dict, url: str, network) -> dict:
-        """The algorithm state to go on with, from a checkpoint's metadata (and arrays)."""
+    def resume_state(self, meta: dict, url: str, network, storage_options: dict | None = None) -> dict:
+        """The algorithm state to go on with, from a checkpoint's metadata (and arrays read
+        from ``url`` with fsspec ``storage_options``)."""
         return {}
 
     def after_fit(self, algorithm_state: dict, result, carried: list, published: dict) -> dict:

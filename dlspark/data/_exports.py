@@ -48,17 +48,18 @@ class Exports:
 
     def __init__(self):
         self._by_content: dict = {}
-        self._dirs: list = []  # (url, is a local temporary directory)
+        self._dirs: list = []  # (url, is a local temporary directory, storage options)
 
-    def directory(self, base: str | None) -> str:
-        """A fresh directory for one export: a temporary local one, or one under ``base``."""
+    def directory(self, base: str | None, storage_options: dict | None = None) -> str:
+        """A fresh directory for one export: a temporary local one, or one under ``base``
+        (reached with fsspec ``storage_options``, which :meth:`remove` uses again)."""
         if base is None:
             d = tempfile.mkdtemp(prefix="dlspark-export-")
-            self._dirs.append((d, True))
+            self._dirs.append((d, True, None))
             return d
         reject_memory(base, "export_directory")
         d = url_join(base, uuid.uuid4().hex)
-        self._dirs.append((d, False))
+        self._dirs.append((d, False, dict(storage_options or {})))
         return d
 
     def minibatches(self, data, ctx):
@@ -76,11 +77,11 @@ class Exports:
 
     def remove(self):
         """Delete every directory this trainer exported to (what it wrote, nothing else)."""
-        for d, local in self._dirs:
+        for d, local, options in self._dirs:
             if local:
                 shutil.rmtree(d, ignore_errors=True)
                 continue
-            fs, path = fsspec.core.url_to_fs(d)
+            fs, path = fsspec.core.url_to_fs(d, **options)
             try:
                 fs.rm(path, recursive=True)
             except FileNotFoundError:  # nothing was written there (an export that failed early)

@@ -128,10 +128,15 @@ def load_minibatch(url: str, **storage_options):
         raise CorruptMinibatchError(url, str(e)) from None
 
 
+def _hidden(path: str) -> bool:
+    return path.rstrip("/").rsplit("/", 1)[-1].startswith(".")
+
+
 def list_minibatches(paths, **storage_options) -> list:
     """Expand a glob, a directory URL or a list of URLs into a sorted list of file URLs.
 
-    A directory yields its ``*.npz`` files. An empty result, or a listed file
+    A directory yields its ``*.npz`` files. Hidden files (names starting with
+    ``.``, such as a writer's temporary files) are never listed. An empty result, or a listed file
     that does not exist, raises ``FileNotFoundError`` naming the path.
     """
     if isinstance(paths, (list, tuple)):
@@ -144,10 +149,13 @@ def list_minibatches(paths, **storage_options) -> list:
     proto = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
     unstrip = (lambda p: p) if proto == "file" and "://" not in paths else (lambda p: fs.unstrip_protocol(p))
     if is_glob(paths):
-        found = sorted(fs.glob(root))
+        # Hidden names (a writer's in-flight ``.name.npz.<id>.tmp`` among them) are never
+        # listed, unless the pattern itself asks for a dot, as a shell's glob does.
+        explicit = root.rsplit("/", 1)[-1].startswith(".")
+        found = sorted(p for p in fs.glob(root) if explicit or not _hidden(p))
         what = "glob"
     elif fs.isdir(root):
-        found = sorted(p for p in fs.find(root) if p.endswith(".npz") and not p.rsplit("/", 1)[-1].startswith("."))
+        found = sorted(p for p in fs.find(root) if p.endswith(".npz") and not _hidden(p))
         what = "directory"
     elif fs.exists(root):
         found = [root]

@@ -59,7 +59,7 @@ class SourceContext:
         ``() -> directory URL``: a fresh directory for one export; needed
         when ``training_approach="export"``.
     storage_options : dict, optional
-        fsspec options for reading file URLs.
+        fsspec options for reading file URLs and for writing exports.
     loader : callable, optional
         ``url -> DataSet`` for files in another format.
     """
@@ -373,17 +373,18 @@ def _export_directory(ctx):
     return ctx.export_dir()
 
 
-def _export_partition(parts, directory, batch_size, prefix):
+def _export_partition(parts, directory, batch_size, prefix, storage_options=None):
     """Runs on a worker: cut one partition's examples into minibatch files."""
     parts = [as_dataset(p) for p in parts]
     if not parts:
         return []
     merged = type(parts[0]).merge(parts)
-    return [save_dataset(b, url_join(directory, f"{prefix}_{i:06d}.npz")) for i, b in enumerate(merged.batches(batch_size))]
+    return [save_dataset(b, url_join(directory, f"{prefix}_{i:06d}.npz"), **(storage_options or {}))
+            for i, b in enumerate(merged.batches(batch_size))]
 
 
-def _export_arrays(x, y, directory, batch_size, prefix):
-    return _export_partition([DataSet(x, y)], directory, batch_size, prefix)
+def _export_arrays(x, y, directory, batch_size, prefix, storage_options=None):
+    return _export_partition([DataSet(x, y)], directory, batch_size, prefix, storage_options)
 
 
 def _batch_arrays(x, y, batch_size):
@@ -461,7 +462,7 @@ class DaskArraySource(Source):
         bs = ctx.batch_size
         if ctx.training_approach == "export":
             d = _export_directory(ctx)
-            return _gather_exports(ctx, [dask.delayed(_export_arrays)(a, b, d, bs, f"p{i:05d}")
+            return _gather_exports(ctx, [dask.delayed(_export_arrays)(a, b, d, bs, f"p{i:05d}", ctx.storage_options)
                                          for i, (a, b) in enumerate(zip(xs, ys))])
         return _persist_direct(ctx, [dask.delayed(_batch_arrays)(a, b, bs) for a, b in zip(xs, ys)])
 
@@ -486,7 +487,7 @@ class DaskBagSource(Source):
         parts, bs = data.to_delayed(), ctx.batch_size
         if ctx.training_approach == "export":
             d = _export_directory(ctx)
-            return _gather_exports(ctx, [dask.delayed(_export_partition)(p, d, bs, f"p{i:05d}")
+            return _gather_exports(ctx, [dask.delayed(_export_partition)(p, d, bs, f"p{i:05d}", ctx.storage_options)
                                          for i, p in enumerate(parts)])
         return _persist_direct(ctx, [dask.delayed(_rebatch)(p, bs) for p in parts])
 

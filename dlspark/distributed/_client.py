@@ -12,7 +12,6 @@ import uuid
 from dataclasses import asdict
 
 import cloudpickle
-import jax
 import numpy as np
 
 from ..checkpoint import read_checkpoint_meta, state_from_bytes, state_to_bytes
@@ -97,10 +96,11 @@ async def fetch_state_from_any(client, workers, job, step, epoch):
     raise JobFailedError(f"job {job} finished, but no worker could send its state: {'; '.join(errors)}")
 
 
-def _resume(trainer, url, epochs):
+def _resume(trainer, url, epochs, storage_options=None):
     """``(epochs left, minibatches done, worker RNGs, epochs done, algorithm state)``. Everything
     is checked before the network takes the checkpoint's state: a refused resume leaves it as it was."""
-    meta = read_checkpoint_meta(url)
+    opts = storage_options or {}
+    meta = read_checkpoint_meta(url, **opts)
     prog = meta.get("fit_progress")
     if prog is not None and prog.get("epochs_total") != epochs:
         raise CheckpointError(url, f"was written by a fit of {prog.get('epochs_total')} epochs; resume with epochs={prog.get('epochs_total')}")
@@ -109,8 +109,8 @@ def _resume(trainer, url, epochs):
     if any(np.shape(r) != want for r in rngs):
         raise CheckpointError(url, f"holds worker RNG keys of shape {np.shape(rngs[0])}, this network's are "
                                    f"{want}: resume with the PRNG implementation that wrote it")
-    algorithm_state = trainer.master.resume_state(meta, url, trainer.network)
-    trainer.network.restore(url)
+    algorithm_state = trainer.master.resume_state(meta, url, trainer.network, storage_options=opts)
+    trainer.network.restore(url, **opts)
     if prog is None:
         return epochs, (), None, 0, algorithm_state
     # The fit goes on where the checkpoint stands: ``prog["epoch"]`` of ``epochs`` done,
@@ -127,7 +127,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     master = trainer.master
     skip, worker_rngs, epochs_done, epochs_total = (), None, 0, epochs
     if resume_from is not None:
-        epochs, skip, worker_rngs, epochs_done, carried = _resume(trainer, resume_from, epochs)
+        epochs, skip, worker_rngs, epochs_done, carried = _resume(trainer, resume_from, epochs, storage_options)
         trainer.algorithm_state = carried
         if epochs <= 0:
             return trainer.network
@@ -135,7 +135,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     workers = trainer._workers()
     job = uuid.uuid4().hex[:12]
     spec = cloudpickle.dumps(JobSpec(net.definition(), net.token, master, refs, loader, storage_options,
-                                     dict(trainer.algorithm_state), worker_rngs))
+                                     dict(trainer.algorithm_state), worker_rngs, checkpoint_options=storage_options))
     state = state_to_bytes(net.state)
     base_step, base_epoch = net.iteration, net.epoch
     options = JobOptions(epochs=epochs, skip=tuple(skip), base_step=base_step, base_epoch=base_epoch,
@@ -177,7 +177,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
         if master.compare_replicas():
             others = [w for w in result.workers if w != source]
-            trainer.published["replica_divergence"] = _divergence(client, job, net, others)
+            trainer.published["replica_divergence"] = _divergence(client, job, source, others)
         for s in result.stats:
             trainer.loss_history.append((s["round"], base_epoch + s["epoch"], s["loss"]))
         if master.collect_training_stats:
@@ -194,15 +194,19 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     return net
 
 
-def _divergence(client, job, net, others) -> float:
-    """Largest absolute difference between the first replica's parameters and the others'."""
-    ref = jax.tree_util.tree_leaves(net.state.params)
-    worst = 0.0
-    for w in others:
+async def _replica_differences(client, job, source, others):
+    async def one(w):
         try:
-            other = state_from_bytes(client.sync(fetch_state, client, w, job, None, None)["state"], net.state)
+            return checked(await client.rpc(w).dlspark_divergence(job=job, source=source))["reply"]
         except Exception:  # lost since the job ended: it has nothing left to compare
-            continue
-        for a, b in zip(ref, jax.tree_util.tree_leaves(other.params)):
-            worst = max(worst, float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
-    return worst
+            return None
+
+    return await asyncio.gather(*[one(w) for w in others])
+
+
+def _divergence(client, job, source, others) -> float:
+    """Largest absolute difference between the parameters of ``source`` (the replica the client
+    took) and the other replicas'. Each other worker fetches ``source``'s state over Dask's comms
+    and reduces the difference itself: one number per worker comes back, no state."""
+    found = [d for d in client.sync(_replica_differences, client, job, source, others) if d is not None]
+    return max(found, default=0.0)

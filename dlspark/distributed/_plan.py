@@ -82,7 +82,9 @@ class Coordinator:
 
     def _follow_partitions(self, workers):
         if self.repartition == "never":
-            return True
+            # One partition (a single DataSet, a list of files) carries no layout to keep:
+            # following it would leave every worker but one idle.
+            return len(set(self.partitions)) > 1
         if self.repartition == "num_partitions_workers_differs":
             return len(set(self.partitions)) == len(workers)
         return False

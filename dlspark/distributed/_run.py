@@ -23,6 +23,7 @@ from .. import config
 from .._netcache import cached_network
 from ..checkpoint import state_from_bytes, state_to_bytes
 from ..data import load_ref
+from ..errors import CorruptMinibatchError
 from ..io import write_bytes
 from ..stats._recorder import NULL, Recorder
 from ._messages import Ack, CheckpointOrder, Order, RngOrder, RngReply
@@ -90,6 +91,12 @@ class WorkerRun:
         self.stats.begin_order(getattr(order, "round", None), outside=isinstance(order, (RngOrder, CheckpointOrder)))
         try:
             return await handler(order)
+        except CorruptMinibatchError as e:
+            if getattr(order, "op", None) != "fit" or "(round " in str(e.reason):
+                raise
+            # a file that went bad after the job listed it: say when it was needed
+            raise CorruptMinibatchError(e.url, f"{e.reason} (round {order.round}, epoch "
+                                               f"{order.epoch + 1}, worker {self.address})") from None
         finally:
             self.stats.end_order()
 

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DlsparkWorkerPlugin", "pin_process"]
 
-_HANDLERS = ("setup", "join", "order", "peer", "state", "teardown", "clock", "events")
+_HANDLERS = ("setup", "join", "order", "peer", "state", "teardown", "clock", "events", "divergence")
 
 
 def pin_process(cores) -> None:
@@ -34,6 +34,22 @@ def pin_process(cores) -> None:
             os.sched_setaffinity(int(tid), cores)
         except OSError:  # a thread that ended meanwhile
             pass
+
+
+def max_param_difference(state, other_bytes: bytes) -> float:
+    """``max |a - b|`` over the parameters of ``state`` and of the checkpoint bytes ``other_bytes``."""
+    import jax
+    import numpy as np
+
+    from ..checkpoint import state_from_bytes
+
+    other = state_from_bytes(other_bytes, state)
+    worst = 0.0
+    for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(other.params)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.size:
+            worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
+    return worst
 
 
 def _reporting(handler):
@@ -141,6 +157,15 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     async def _state(self, job: str, step: int | None = None, epoch: int | None = None):
         out = await self._job(job).dump_state(step, epoch)
         return {"state": out["state"], "carried": to_serialize(out["carried"])}
+
+    async def _divergence(self, job: str, source: str):
+        """The largest absolute difference between this replica's parameters and ``source``'s,
+        whose state comes worker to worker: the client receives one number."""
+        run = self._job(job)
+        resp = await self.worker.rpc(source).dlspark_state(job=job)
+        if "error" in resp:
+            raise RuntimeError(f"could not get job {job!r}'s state from {source}: {resp['error'].text}")
+        return {"reply": await run.compute(max_param_difference, run.state, resp["state"])}
 
     async def _clock(self):
         """This process's wall clock (the scheduler aligns event times with it)."""

@@ -39,7 +39,9 @@ class ParameterAveraging(Algorithm):
         A URL every worker can read (a shared disk, S3, ...). Default: a
         temporary local directory, which suits clusters on one machine.
     repartition : {"always", "never", "num_partitions_workers_differs"}
-        When to rebalance minibatches across workers.
+        When to rebalance minibatches across workers. ``never`` keeps the
+        data's partitions on their workers; data of one partition (a single
+        DataSet, ``fit_paths``) is shared out as with ``always``.
     repartition_strategy : {"balanced", "spark_default"}
         ``balanced`` splits every round's minibatches into shares that differ
         by at most one; ``spark_default`` assigns whole chunks of
@@ -115,13 +117,13 @@ class ParameterAveraging(Algorithm):
 
         return AveragingRun(worker, job, spec, state, rank)
 
-    def resume_state(self, meta, url, network):
+    def resume_state(self, meta, url, network, storage_options=None):
         if self.outer_updater is None:
             return {}
         from ._numerics import outer_state_from_arrays
         from ...checkpoint import read_checkpoint_aux
 
-        arrays = read_checkpoint_aux(url)
+        arrays = read_checkpoint_aux(url, **(storage_options or {}))
         if arrays is None:  # written without an outer optimizer: it starts afresh
             return {}
         return {"outer_state": outer_state_from_arrays(self.outer_updater, network.state.params, arrays, url)}

@@ -119,7 +119,7 @@ class GradientSharing(Algorithm):
 
         return SharingRun(worker, job, spec, state, rank)
 
-    def resume_state(self, meta, url, network):
+    def resume_state(self, meta, url, network, storage_options=None):
         # Gradient sharing goes on from the threshold the workers had reached (with the
         # same threshold algorithm; a new one starts from its own initial value).
         from ._thresholds import ThresholdState

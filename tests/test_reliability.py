@@ -1,0 +1,277 @@
+"""Reliability: defects found by reading the code, and claims that had no test, on real clusters."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, accuracy
+
+import dlspark
+from dlspark import DataSet, DistributedTrainer, GradientSharing, MultiDataSet, ParameterAveraging
+from dlspark.data import list_minibatches, save_minibatches
+from dlspark.distributed._plan import Coordinator
+
+pytestmark = pytest.mark.slow
+
+
+# -- helpers ---------------------------------------------------------------------------------
+class TwoHeads(nn.Module):
+    """Two inputs, two outputs: a classifier and a regressor."""
+
+    @nn.compact
+    def __call__(self, xs, train: bool = False):
+        a, b = xs
+        h = nn.relu(nn.Dense(32)(jnp.concatenate([a, b], -1)))
+        return nn.Dense(10)(h), nn.Dense(1)(h)
+
+
+class MaskedPool(nn.Module):
+    """Sequences (n, T, d) pooled over the unmasked steps: the mask changes the output."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False, mask=None):
+        m = jnp.ones(x.shape[:2]) if mask is None else mask.astype(x.dtype)
+        pooled = (x * m[..., None]).sum(1) / jnp.maximum(m.sum(1, keepdims=True), 1.0)
+        return nn.Dense(3)(nn.relu(nn.Dense(16)(pooled)))
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server in this process (nothing leaves the machine) and its fsspec options."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server._server.server_address
+        opts = {"key": "testing", "secret": "testing",
+                "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
+        import boto3
+
+        boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
+                     **opts["client_kwargs"]).create_bucket(Bucket="rel")
+        yield opts
+    finally:
+        server.stop()
+
+
+def _multi(digits, n=512):
+    tr, _ = digits
+    x = tr.features[:n]
+    return MultiDataSet([x[:, :32], x[:, 32:]], [tr.labels[:n], x.sum(1, keepdims=True) / 64])
+
+
+# -- 1: globs ----------------------------------------------------------------------------------
+def test_globs_never_list_hidden_or_in_flight_temporary_files(tmp_path):
+    urls = save_minibatches(np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32), str(tmp_path), 2)
+    (tmp_path / ".hidden.npz").write_bytes((tmp_path / "batch_000000.npz").read_bytes())
+    (tmp_path / ".batch_000002.npz.0123abcd.tmp").write_bytes(b"half a file")
+    assert list_minibatches(str(tmp_path) + "/*.npz") == urls
+    assert list_minibatches(str(tmp_path) + "/*") == urls
+    assert list_minibatches(tmp_path.as_uri() + "/*") == [tmp_path.as_uri() + "/" + os.path.basename(u) for u in urls]
+    # a pattern that names the dot itself asks for hidden files, as a shell's glob does
+    assert list_minibatches(str(tmp_path) + "/.hidden*") == [str(tmp_path / ".hidden.npz")]
+
+
+# -- 6: repartition="never" with one partition ---------------------------------------------------
+def test_never_with_a_single_partition_shares_the_minibatches_out():
+    c = Coordinator([0] * 8, epochs=1, steps_per_round=2, repartition="never")
+    p = c.plan_round(["a", "b"])
+    assert p.assignment == {"a": [0, 1], "b": [2, 3]}
+    # several partitions are still followed: partition 0 on a, partition 1 on b
+    c = Coordinator([0, 0, 0, 1, 1, 1], epochs=1, steps_per_round=2, repartition="never")
+    assert c.plan_round(["a", "b"]).assignment == {"a": [0, 1], "b": [3, 4]}
+
+
+def test_never_with_one_dataset_trains_on_every_worker(client2, make_net, digits, tmp_path):
+    tr, _ = digits
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, repartition="never")
+    trainer = DistributedTrainer(client2, make_net(), master, progress=False)
+    assert trainer.last_fit_stats == []  # 8: there before any fit
+    trainer.fit(tr[:256])
+    assert [s["workers"] for s in trainer.last_fit_stats] == [2, 2]
+    urls = save_minibatches(tr[:256], url=str(tmp_path / "mb"), batch_size=32)
+    trainer.fit_paths(urls)
+    assert [s["workers"] for s in trainer.last_fit_stats] == [2, 2]
+
+
+# -- 2: storage options for checkpoints and resumes ---------------------------------------------
+def test_checkpoints_and_resume_on_an_object_store_take_storage_options(client2, make_net, digits, s3):
+    # Only the options reach the S3 server: without them s3fs would go to AWS, unreachable here.
+    tr, te = digits
+    save_minibatches(tr[:384], url="s3://rel/train", batch_size=32, **s3)  # 12 files: 3 rounds of 2 x 2
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2)
+    straight = make_net()
+    trainer = DistributedTrainer(client2, straight, master, progress=False)
+    trainer.fit_paths("s3://rel/train/*.npz", epochs=2, checkpoint_every=4, checkpoint_url="s3://rel/ck/net.dls",
+                      storage_options=s3)
+    saved = dlspark.Network.load("s3://rel/ck/net.dls", **s3)
+    assert (saved.iteration, saved.epoch) == (16, 1)  # after round 4: epoch 2, round 1
+    resumed = make_net()
+    trainer = DistributedTrainer(client2, resumed, master, progress=False)
+    trainer.fit_paths("s3://rel/train/*.npz", epochs=2, resume_from="s3://rel/ck/net.dls", storage_options=s3)
+    assert (resumed.iteration, resumed.epoch) == (24, 2)
+    for a, b in zip(jax.tree_util.tree_leaves(resumed.state.params), jax.tree_util.tree_leaves(straight.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # 11: evaluation JSON on S3 (DL4J's writeStringToFile(path, eval.toJson()))
+    ev = trainer.evaluate(te)
+    dlspark.io.write_text("s3://rel/eval/ev.json", ev.to_json(), **s3)
+    back = dlspark.evaluation.Evaluation.from_json(dlspark.io.read_text("s3://rel/eval/ev.json", **s3))
+    assert back.stats() == ev.stats() and back.accuracy() == pytest.approx(accuracy(resumed, te))
+
+
+# -- 5 and 11: masks through keyed inference from a bag; duplicate keys; a masked network trained --
+def test_masked_sequences_train_distributed_and_bags_keep_masks_and_refuse_duplicate_keys(client2):
+    import dask.bag as db
+
+    rng = np.random.default_rng(0)
+    n, t = 240, 6
+    x = rng.normal(size=(n, t, 4)).astype(np.float32)
+    mask = (np.arange(t)[None, :] < rng.integers(2, t + 1, size=(n, 1))).astype(np.float32)
+    cls = (x * mask[..., None]).sum(1)[:, 0] > 0  # depends on the unmasked steps only
+    y = np.eye(3, dtype=np.float32)[cls.astype(int) + (x[:, 0, 1] > 1)]
+    net = dlspark.Network(dlspark.Model.from_flax(MaskedPool(), x[:1]), updater=optax.adam(1e-2))
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=20), progress=False)
+    s0 = net.score(DataSet(x, y, features_mask=mask))
+    trainer.fit(DataSet(x, y, features_mask=mask), epochs=3)
+    assert net.score(DataSet(x, y, features_mask=mask)) < s0
+    keyed = [(f"k{i}", x[i]) for i in range(40)]
+    masks = {f"k{i}": mask[i] for i in range(40)}
+    out = dict(trainer.predict_with_keys(db.from_sequence(keyed, npartitions=4), features_mask=masks).compute())
+    want = net.output(x[:40], features_mask=mask[:40])
+    unmasked = net.output(x[:40])
+    assert sorted(out) == sorted(masks)
+    np.testing.assert_allclose(np.stack([out[f"k{i}"] for i in range(40)]), want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want, unmasked, atol=1e-4)  # the masks mattered
+    # the same key in two partitions is refused, naming it
+    dup = db.from_sequence(keyed + [("k3", x[3])], npartitions=5)
+    with pytest.raises(ValueError, match="duplicate key 'k3' in the keyed features bag"):
+        trainer.predict_with_keys(dup).compute()
+
+
+# -- 7 and 11: replica divergence reduced on the workers; the sharing plug-ins in a real job ------
+def test_replica_divergence_is_reduced_on_the_workers(client2, make_net, digits, monkeypatch):
+    from dlspark.algorithms.sharing import NoResidualPostProcessing, TargetSparsityThreshold
+    from dlspark.distributed import _client
+
+    tr, te = digits
+    fetched = []
+    real = _client.fetch_state
+
+    async def counting(client, worker, job, step, epoch):
+        fetched.append(worker)
+        return await real(client, worker, job, step, epoch)
+
+    monkeypatch.setattr(_client, "fetch_state", counting)
+    master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=TargetSparsityThreshold(target=0.01),
+                             residual_post_processor=NoResidualPostProcessing())
+    net = make_net(MLP(hidden=32))
+    trainer = DistributedTrainer(client2, net, master, progress=False)
+    trainer.fit(tr, epochs=4)
+    assert fetched and len(fetched) == 1  # the client took one replica's state, not one per worker
+    div = trainer.replica_divergence
+    assert isinstance(div, float) and 0.0 <= div < 1e-5
+    assert accuracy(net, te) >= 0.85
+    # the threshold the target-sparsity rule reached is carried on
+    assert trainer.threshold_state is not None
+
+
+def test_max_param_difference_is_the_largest_absolute_difference(make_net):
+    from dlspark.checkpoint import state_to_bytes
+    from dlspark.distributed._worker import max_param_difference
+
+    net = make_net()
+    other = net.state.replace(params=jax.tree_util.tree_map(lambda a: a + 0.0, net.state.params))
+    leaves, treedef = jax.tree_util.tree_flatten(other.params)
+    leaves[1] = np.asarray(leaves[1]).copy()
+    leaves[1].flat[3] -= 0.25
+    other = other.replace(params=jax.tree_util.tree_unflatten(treedef, leaves))
+    assert max_param_difference(net.state, state_to_bytes(other)) == pytest.approx(0.25, rel=1e-6)
+    assert max_param_difference(net.state, state_to_bytes(net.state)) == 0.0
+
+
+# -- 9: a script without the main-module guard ---------------------------------------------------
+def test_a_script_without_the_main_guard_is_told_what_to_add(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import dlspark
+        from dlspark.cluster import local_cluster
+
+        cluster = local_cluster(1)
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"{script}, line 5 starts a dlspark cluster at the top level of the script" in r.stderr
+    assert 'if __name__ == "__main__":' in r.stderr
+    assert "bootstrapping phase" not in r.stderr
+
+
+# -- a secured cluster: TLS on every comm, encryption required ------------------------------------
+def test_a_tls_cluster_trains_both_algorithms_evaluates_infers_and_refuses_plain_clients(make_net, digits):
+    from distributed import Client
+    from distributed.security import Security
+
+    from dlspark.cluster import local_cluster
+
+    sec = Security.temporary()
+    assert sec.require_encryption
+    tr, te = digits
+    with local_cluster(2, security=sec) as cluster, Client(cluster, security=sec) as client:
+        address = cluster.scheduler_address
+        assert address.startswith("tls://")
+        assert all(w.startswith("tls://") for w in client.scheduler_info()["workers"])
+        # Averaging (contributions worker to worker) and sharing (messages worker to worker)
+        # both go over the same TLS comms.
+        for master, floor in ((ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3), 0.9),
+                              (GradientSharing(batch_size_per_worker=32), 0.6)):
+            net = make_net(MLP(hidden=32))
+            trainer = DistributedTrainer(client, net, master, progress=False)
+            trainer.fit(tr, epochs=3)
+            assert net.iteration == 3 * 45 and accuracy(net, te) >= floor, type(master).__name__
+        assert trainer.replica_divergence < 1e-5
+        assert trainer.evaluate(te).accuracy() == pytest.approx(accuracy(net, te))
+        keyed = {i: te.features[i] for i in range(20)}
+        out = trainer.predict_with_keys(keyed)
+        np.testing.assert_allclose(np.stack([out[i] for i in range(20)]), net.output(te.features[:20]),
+                                   rtol=1e-5, atol=1e-6)
+        # A client without the certificates gets no connection at all.
+        with pytest.raises((OSError, TypeError, ValueError)):
+            Client(address.replace("tls://", "tcp://"), timeout="3s")
+        with pytest.raises((OSError, TypeError, ValueError)):
+            Client(address, timeout="3s")
+
+
+# -- a minibatch file goes bad after the job listed it ---------------------------------------------
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_file_damaged_mid_fit_is_named_with_its_round_and_a_resume_completes(client2, make_net, digits, tmp_path,
+                                                                               damage):
+    from dlspark.errors import CorruptMinibatchError
+
+    tr, _ = digits
+    urls = save_minibatches(tr[:384], url=str(tmp_path / "mb"), batch_size=32)  # 12 files, 3 rounds an epoch
+    victim = urls[9]
+    good = open(victim, "rb").read()
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2)
+    trainer = DistributedTrainer(client2, make_net(), master, progress=False)
+    ck = str(tmp_path / "ck.dls")
+
+    def on_round(stat):
+        if stat["round"] == 4:  # epoch 2 begins: file 9 is read in round 6
+            if damage == "truncate":
+                open(victim, "wb").write(good[: len(good) // 2])
+            else:
+                os.remove(victim)
+
+    with pytest.raises(CorruptMinibatchError, match=r"batch_000009\.npz.*round 6"):
+        trainer.fit_paths(str(tmp_path / "mb"), epochs=2, checkpoint_every=4, checkpoint_url=ck, callbacks=[on_round])
+    # the cluster is usable at once, and the resume with the file restored completes
+    open(victim, "wb").write(good)
+    trainer.fit_paths(str(tmp_path / "mb"), epochs=2, resume_from=ck)
+    assert (trainer.network.iteration, trainer.network.epoch) == (24, 2)
