@@ -275,3 +275,47 @@ def test_a_file_damaged_mid_fit_is_named_with_its_round_and_a_resume_completes(c
     open(victim, "wb").write(good)
     trainer.fit_paths(str(tmp_path / "mb"), epochs=2, resume_from=ck)
     assert (trainer.network.iteration, trainer.network.epoch) == (24, 2)
+
+
+# -- bad data: refused before cluster work where it can be, named where it is found ----------------
+def test_bad_data_is_named_with_what_is_allowed(client2, make_net, digits, tmp_path):
+    tr, _ = digits
+    x, y = tr.features[:128], tr.labels[:128]
+    trainer = DistributedTrainer(client2, make_net(), ParameterAveraging(batch_size_per_worker=32), progress=False)
+    with pytest.raises(ValueError, match="features and labels have different numbers of examples.*100.*90"):
+        trainer.fit((x[:100], y[:90]))
+    with pytest.raises(ValueError, match="the data holds no examples: fit needs at least one minibatch"):
+        trainer.fit(DataSet(x[:0], y[:0]))
+    # labels of 5 classes for a 10-class network, refused on the client, naming the file
+    urls = save_minibatches(x, y[:, :5], url=str(tmp_path / "five"), batch_size=32)
+    with pytest.raises(ValueError, match=r"minibatch '.*five/batch_000000\.npz'.*label"):
+        trainer.fit_paths(urls)
+    # files whose feature widths disagree with each other: the one that does not fit is named
+    mixed = save_minibatches(x, y, url=str(tmp_path / "mixed"), batch_size=32)
+    dlspark.data.save_dataset(DataSet(x[:32, :60], y[:32]), mixed[2])
+    with pytest.raises(ValueError, match=r"minibatch '.*mixed/batch_000002\.npz': the model cannot take features"):
+        trainer.fit_paths(mixed)
+    # NaN features: named by URL under on_nonfinite="raise"; trained past under "skip"
+    bad = x.copy()
+    bad[70, 3] = np.nan
+    nan_urls = save_minibatches(bad, y, url=str(tmp_path / "nan"), batch_size=32)
+    with pytest.raises(ValueError, match=r"minibatch '.*nan/batch_000002\.npz' holds 1 non-finite feature values.*"
+                                         r"on_nonfinite='skip'"):
+        trainer.fit_paths(nan_urls)
+    skipper = DistributedTrainer(client2, make_net(on_nonfinite="skip"), ParameterAveraging(batch_size_per_worker=32),
+                                 progress=False)
+    skipper.fit_paths(nan_urls)
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(skipper.network.state.params))
+    # the cluster is still usable after every refusal
+    trainer.fit((x, y))
+    assert trainer.network.iteration == 4
+
+
+@pytest.mark.parametrize("algorithm", ["averaging", "sharing"])
+def test_fewer_minibatches_than_workers_completes(client2, make_net, digits, algorithm):
+    tr, _ = digits
+    master = (ParameterAveraging(batch_size_per_worker=32) if algorithm == "averaging"
+              else GradientSharing(batch_size_per_worker=32))
+    trainer = DistributedTrainer(client2, make_net(), master, progress=False)
+    trainer.fit(tr[:32], epochs=3)  # one minibatch, two workers
+    assert trainer.network.iteration == 3 and [s["minibatches"] for s in trainer.last_fit_stats] == [1, 1, 1]

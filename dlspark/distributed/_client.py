@@ -118,6 +118,19 @@ def _resume(trainer, url, epochs, storage_options=None):
     return epochs - prog["epoch"], prog["done"], rngs, prog["epoch"], algorithm_state
 
 
+def check_data(net, refs, loader, storage_options) -> None:
+    """What can be checked before any cluster work: there is data, and the first minibatch
+    file fits the network (named when it does not). Every other minibatch is checked as a
+    worker loads it (``_run.check_minibatch``)."""
+    from ..data import load_ref
+    from ._run import check_minibatch
+
+    if not refs:
+        raise ValueError("the data holds no examples: fit needs at least one minibatch, got an empty dataset")
+    if isinstance(refs[0], str):
+        check_minibatch(net, load_ref(refs[0], loader, storage_options), repr(refs[0]))
+
+
 def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=None, checkpoint_every=None,
             checkpoint_url=None, resume_from=None, callbacks=(), progress=None, export_span=None):
     """Run one fit as a job on ``trainer``'s cluster; the trained state lands in ``trainer.network``.
@@ -125,6 +138,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     from ..stats._collect import ClientSide, NoClientSide
 
     master = trainer.master
+    check_data(trainer.network, refs, loader, storage_options)
     skip, worker_rngs, epochs_done, epochs_total = (), None, 0, epochs
     if resume_from is not None:
         epochs, skip, worker_rngs, epochs_done, carried = _resume(trainer, resume_from, epochs, storage_options)

@@ -32,6 +32,24 @@ from ._prefetch import Prefetcher
 __all__ = ["WorkerRun"]
 
 
+def check_minibatch(net, ds, name: str) -> None:
+    """``net.check_batch(ds)`` with the minibatch named in the message; under
+    ``on_nonfinite="raise"`` non-finite features are refused here too, by name, before a
+    step turns them into a non-finite loss that no longer says where it came from."""
+    try:
+        net.check_batch(ds)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"minibatch {name}: {e}") from None
+    if net.on_nonfinite != "raise":
+        return
+    for x in jax.tree_util.tree_leaves(ds.features):
+        x = np.asarray(x)
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+            raise ValueError(f"minibatch {name} holds {bad} non-finite feature values (NaN or inf); clean the data, "
+                             "or train with Network(..., on_nonfinite='skip') to skip the steps they spoil")
+
+
 class WorkerRun:
     """One job's state on one worker.
 
@@ -111,8 +129,9 @@ class WorkerRun:
         """A minibatch checked against the network and already on the device: ``(examples, batch)``.
         Runs on the prefetch thread, off the compute thread's path."""
         t0 = self.stats.now()
-        ds = load_ref(self.spec.refs[ref_index], self.spec.loader, self.spec.storage_options, self.worker)
-        self.net.check_batch(ds)
+        ref = self.spec.refs[ref_index]
+        ds = load_ref(ref, self.spec.loader, self.spec.storage_options, self.worker)
+        check_minibatch(self.net, ds, repr(ref) if isinstance(ref, str) else f"#{ref_index}")
         out = len(ds), jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
         self.stats.add("load", t0, self.stats.now(), "loader", examples=out[0])
         return out
