@@ -319,3 +319,79 @@ def test_fewer_minibatches_than_workers_completes(client2, make_net, digits, alg
     trainer = DistributedTrainer(client2, make_net(), master, progress=False)
     trainer.fit(tr[:32], epochs=3)  # one minibatch, two workers
     assert trainer.network.iteration == 3 and [s["minibatches"] for s in trainer.last_fit_stats] == [1, 1, 1]
+
+
+# -- the scheduler dies mid-fit ----------------------------------------------------------------------
+def _external_cluster(tmp_path, n_workers):
+    """A ``dask scheduler`` process and a ``dask worker`` process of ``n_workers`` spawned,
+    single-threaded workers set up as dlspark's own; returns (address, scheduler, workers)."""
+    import json
+    import time
+
+    from dlspark.cluster import WORKER_CONFIG, _dask_env, worker_env
+
+    sfile = tmp_path / "scheduler.json"
+    env = {**os.environ, **worker_env(), **_dask_env({k: v for k, v in WORKER_CONFIG.items()
+                                                      if not isinstance(v, dict)})}
+    # the networks' flax modules live in the tests' conftest: the workers import it from here
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    bindir = os.path.dirname(sys.executable)
+    sched = subprocess.Popen([os.path.join(bindir, "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
+                              "--no-dashboard", "--scheduler-file", str(sfile)], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not sfile.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    address = json.loads(sfile.read_text())["address"]
+    workers = subprocess.Popen([os.path.join(bindir, "dask"), "worker", address, "--nworkers", str(n_workers),
+                                "--nthreads", "1", "--no-dashboard", "--memory-limit", "0"], env=env,
+                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return address, sched, workers
+
+
+def test_a_killed_scheduler_fails_the_fit_quickly_and_a_resume_elsewhere_equals_a_straight_run(
+        client2, make_net, digits, tmp_path):
+    import signal
+    import time
+
+    from distributed import Client
+
+    tr, _ = digits
+    data = tr[:384]  # 12 minibatches of 32: 3 rounds of 2 workers x 2 per epoch
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2)
+    ck = str(tmp_path / "ck.dls")
+    address, sched, workers = _external_cluster(tmp_path, 2)
+    killed = {}
+    try:
+        with Client(address, timeout="60s") as client:
+            client.wait_for_workers(2, timeout=120)
+            trainer = DistributedTrainer(client, make_net(), master, progress=False)
+
+            def on_round(stat):
+                if stat["round"] == 3 and not killed:
+                    killed["at"] = time.monotonic()
+                    os.kill(sched.pid, signal.SIGKILL)
+
+            with pytest.raises(Exception) as info:
+                trainer.fit(data, epochs=2, checkpoint_every=2, checkpoint_url=ck, callbacks=[on_round])
+            assert killed, f"the fit failed before the scheduler was killed: {info.value!r}"
+            waited = time.monotonic() - killed["at"]
+    finally:
+        for p in (sched, workers):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+    assert waited < 60, f"fit took {waited:.0f} s to notice the scheduler had gone"
+    print(f"the fit raised {waited:.1f} s after the scheduler was killed")
+    assert info.type is dlspark.errors.JobFailedError
+    assert f"the connection to the scheduler at {address} was lost during the fit" in str(info.value)
+    assert f"resume_from={ck!r}" in str(info.value)
+    saved = dlspark.Network.load(ck)  # intact: written atomically after round 2
+    assert (saved.iteration, saved.epoch) == (8, 0)
+    straight = make_net()
+    DistributedTrainer(client2, straight, master, progress=False).fit(data, epochs=2)
+    resumed = make_net()
+    DistributedTrainer(client2, resumed, master, progress=False).fit(data, epochs=2, resume_from=ck)
+    assert (resumed.iteration, resumed.epoch) == (24, 2)
+    for a, b in zip(jax.tree_util.tree_leaves(resumed.state.params), jax.tree_util.tree_leaves(straight.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

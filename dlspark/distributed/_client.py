@@ -197,10 +197,18 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         if master.collect_training_stats:
             trainer.training_stats.add(st.finish(job, master.name, result.stats, workers))
         trainer.last_fit_stats = list(result.stats)
+    except OSError as e:  # Dask's CommClosedError is one
+        if client.status == "running":
+            raise
+        raise JobFailedError(
+            f"the connection to the scheduler at {client.scheduler.address} was lost during the fit "
+            f"({type(e).__name__}: {e}); the job died with the scheduler. Start a cluster again and go on from "
+            f"the last checkpoint: fit(..., resume_from={checkpoint_url or 'the checkpoint_url'!r})") from e
     finally:
         client.unsubscribe_topic(topic)
         try:
-            client.sync(client.scheduler.dlspark_finish, job=job)
+            if client.status == "running":  # a lost scheduler has nothing left to clean
+                client.sync(client.scheduler.dlspark_finish, job=job)
         except Exception:  # the cluster is going away; nothing left to clean
             pass
         if bar is not None:
