@@ -7,6 +7,8 @@ evaluation, inference and scoring run as Dask tasks (``dlspark._inference``).
 
 from __future__ import annotations
 
+import time
+
 from . import _inference as _inf
 from .algorithms._base import Algorithm, positive_int
 from .data._exports import Exports
@@ -23,10 +25,15 @@ class DistributedTrainer:
 
     Parameters
     ----------
-    client : distributed.Client, optional
-        Without one, an embedded ``LocalCluster`` is started (one worker per
-        GPU, else one single-threaded worker process per core, each pinned to
-        its core) and closed with the trainer.
+    client : distributed.Client or cluster, optional
+        A client, or a cluster (``slurm_cluster``, any dask-jobqueue or
+        ``LocalCluster``) that the trainer connects to. Without one, the
+        trainer connects to ``dlspark.client.address`` when it is set (``dlspark
+        train`` sets it), else starts an embedded ``LocalCluster`` (one worker
+        per GPU, else one single-threaded worker process per core, each pinned
+        to its core) and closes it with the trainer. The versions of the
+        packages a job needs are compared on every process first
+        (:func:`dlspark.cluster.check_versions`).
     network : Network
         The network to train; after ``fit`` it holds the trained state.
     master : ParameterAveraging or GradientSharing, optional
@@ -71,16 +78,28 @@ class DistributedTrainer:
                             f"dlspark.GradientSharing(...), got {type(master).__name__}")
         positive_int("eval_num_workers", eval_num_workers)
         positive_int("eval_batch_size", eval_batch_size)
-        self._cluster = None
+        from distributed import Client
+        from distributed.deploy import Cluster
+
+        from . import config
+        from .cluster import check_versions, gpu_devices, local_cluster
+
+        self._cluster = self._own_client = None
         pin = False
-        if client is None:
-            from distributed import Client
-
-            from .cluster import gpu_devices, local_cluster
-
-            self._cluster = local_cluster()
+        if isinstance(client, Cluster):
+            client = self._own_client = Client(client)
+        elif client is None and config.get("client.address"):
+            client = self._own_client = Client(config.get("client.address"))
+        elif client is None:
+            self._cluster = local_cluster(dashboard_address=":0")  # Dask's dashboard, with /dlspark, on a free port
             client = Client(self._cluster)
             pin = not gpu_devices()[1]
+        if config.get("client.check-versions"):
+            try:
+                check_versions(client)
+            except BaseException:
+                self._close_connection(client)
+                raise
         self.client, self.network, self.master, self.progress = client, network, master, progress
         self.eval_num_workers, self.eval_batch_size = eval_num_workers, eval_batch_size
         self.loss_history: list = []
@@ -90,6 +109,12 @@ class DistributedTrainer:
         self.published: dict = {}
         self._exports = Exports()
         install_plugins(client, pin)
+        if self._cluster is not None:
+            from .stats._live import dashboard_link
+
+            link = dashboard_link(client)
+            if link:
+                print(f"dlspark: the running job's figures at {link}")
 
     def __getattr__(self, name):
         for store in ("algorithm_state", "published"):
@@ -108,8 +133,14 @@ class DistributedTrainer:
     def close(self):
         """Delete temporary exports; close the embedded cluster if this trainer started it."""
         self.delete_temp_files()
+        self._close_connection(self.client)
+
+    def _close_connection(self, client):
+        """Close the client and the embedded cluster this trainer opened (none it was given)."""
+        if self._cluster is not None or self._own_client is not None:
+            client.close()
+            self._own_client = None
         if self._cluster is not None:
-            self.client.close()
             self._cluster.close()
             self._cluster = None
 
@@ -124,12 +155,13 @@ class DistributedTrainer:
             raise RuntimeError("the cluster has no workers; start some (e.g. cluster.scale(2)) and try again")
         return workers
 
-    def _export_dir(self):
-        return self._exports.directory(self.master.export_directory)
+    def _export_dir(self, storage_options=None):
+        return self._exports.directory(self.master.export_directory, storage_options)
 
     # -- training --------------------------------------------------------------
     def fit(self, data, epochs: int = 1, *, checkpoint_every: int | None = None, checkpoint_url: str | None = None,
-            resume_from: str | None = None, callbacks=(), progress: bool | None = None) -> Network:
+            resume_from: str | None = None, callbacks=(), progress: bool | None = None,
+            storage_options: dict | None = None) -> Network:
         """Train on ``data``: a DataSet, a ``(features, labels)`` pair, a list of DataSets,
         a pair of dask arrays, a dask bag of DataSets, or any registered data source.
 
@@ -143,6 +175,9 @@ class DistributedTrainer:
             ``epochs``: training continues where it stopped.
         callbacks : sequence of callables
             Each is called with every round's statistics (a dict) as it completes.
+        storage_options : dict, optional
+            fsspec options (credentials, endpoint) for the master's ``export_directory``,
+            ``checkpoint_url`` and ``resume_from``, used on the client and workers.
 
         Returns
         -------
@@ -151,10 +186,14 @@ class DistributedTrainer:
         """
         check_fit_args(self.master, epochs, checkpoint_every, checkpoint_url)
         # the files of an earlier fit of the same data (by content) are trained from again
-        m = self._exports.minibatches(data, SourceContext(self.client, self.master.batch_size_per_worker,
-                                                          self.master.training_approach, self._export_dir))
-        return run_fit(self, m.refs, m.partitions, epochs, checkpoint_every=checkpoint_every,
-                       checkpoint_url=checkpoint_url, resume_from=resume_from, callbacks=callbacks, progress=progress)
+        t_export = time.time()
+        m = self._exports.minibatches(data, SourceContext(
+            self.client, self.master.batch_size_per_worker, self.master.training_approach,
+            lambda: self._export_dir(storage_options), storage_options=storage_options))
+        return run_fit(self, m.refs, m.partitions, epochs, storage_options=storage_options,
+                       checkpoint_every=checkpoint_every,
+                       checkpoint_url=checkpoint_url, resume_from=resume_from, callbacks=callbacks, progress=progress,
+                       export_span=(t_export, time.time()))
 
     def fit_paths(self, paths, epochs: int = 1, loader=None, *, storage_options: dict | None = None,
                   checkpoint_every: int | None = None, checkpoint_url: str | None = None,
@@ -170,7 +209,8 @@ class DistributedTrainer:
             ``url -> DataSet/MultiDataSet`` for files in another format
             (DL4J's DataSetLoader); default: the ``.npz`` minibatch format.
         storage_options : dict, optional
-            fsspec options (credentials, endpoint) used on the client and workers.
+            fsspec options (credentials, endpoint) for ``paths``, ``checkpoint_url`` and
+            ``resume_from``, used on the client and workers.
         """
         check_fit_args(self.master, epochs, checkpoint_every, checkpoint_url)
         refs = path_minibatches(paths, storage_options)
@@ -192,12 +232,14 @@ class DistributedTrainer:
         return future
 
     def do_evaluation(self, data, batch_size: int | None = None, *evaluations, loader=None,
-                      storage_options: dict | None = None):
+                      storage_options: dict | None = None, output: int | None = None):
         """Fill several evaluations in one pass over ``data`` (what ``fit`` or ``fit_paths`` take):
-        each worker evaluates its share, the partial evaluations merge on the workers."""
+        each worker evaluates its share, the partial evaluations merge on the workers. A
+        multi-output network is evaluated one output at a time: ``output`` picks it (the
+        evaluate methods take it too)."""
         return _inf.do_evaluation(self.client, self._network_future(), data, evaluations,
                                   batch_size or self.eval_batch_size, loader=loader, storage_options=storage_options,
-                                  threads=self.eval_num_workers, n_workers=len(self._workers()))
+                                  threads=self.eval_num_workers, n_workers=len(self._workers()), output=output)
 
     def _evaluate(self, evaluation, data, batch_size, kw):
         return self.do_evaluation(data, batch_size, evaluation, **kw)[0]
