@@ -398,3 +398,20 @@ def test_a_killed_scheduler_fails_the_fit_quickly_and_a_resume_elsewhere_equals_
     assert (resumed.iteration, resumed.epoch) == (24, 2)
     for a, b in zip(jax.tree_util.tree_leaves(resumed.state.params), jax.tree_util.tree_leaves(straight.state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# -- 11: direct minibatches live in two workers' memory, so a lost worker loses none ----------------
+def test_direct_minibatches_survive_a_killed_worker(client2, make_net, digits):
+    from conftest import kill_at_round
+
+    tr, _ = digits
+    on_round, killed = kill_at_round(client2, 2)
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, training_approach="direct")
+    trainer = DistributedTrainer(client2, make_net(), master, progress=False)
+    trainer.fit(tr[:640], epochs=3, callbacks=[on_round])  # 20 minibatches, 5 rounds an epoch
+    assert killed.is_set()
+    per_epoch = {}
+    for s in trainer.last_fit_stats:
+        per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
+    assert per_epoch == {0: 20, 1: 20, 2: 20}
+    assert trainer.network.iteration == 60
