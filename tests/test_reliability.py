@@ -415,3 +415,58 @@ def test_direct_minibatches_survive_a_killed_worker(client2, make_net, digits):
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
     assert per_epoch == {0: 20, 1: 20, 2: 20}
     assert trainer.network.iteration == 60
+
+
+# -- 11: a gradient-sharing job whose client dies is torn down on every worker -----------------------
+_ABANDONING_SHARING_CLIENT = """
+import sys, time
+import flax.linen as nn, numpy as np, optax
+from distributed import Client
+import dlspark
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(10)(x)
+
+def slow(url):
+    time.sleep(0.2)
+    return dlspark.data.load_minibatch(url)
+
+if __name__ == "__main__":
+    with Client(sys.argv[1]) as client:
+        net = dlspark.Network(dlspark.Model.from_flax(Net(), np.zeros((1, 64), np.float32)), updater=optax.sgd(0.1))
+        master = dlspark.GradientSharing(batch_size_per_worker=8, steps_per_round=2)
+        trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
+        trainer.fit_paths(sys.argv[2], epochs=50, loader=slow, callbacks=[lambda s: print("round", flush=True)])
+"""
+
+
+def test_a_sharing_job_whose_client_dies_is_torn_down(client2, digits, tmp_path):
+    import time
+
+    import dask
+
+    def coordinator_jobs(dask_scheduler):
+        return sorted(dask_scheduler.plugins["dlspark-coordinator"].jobs)
+
+    def worker_jobs(dask_worker):
+        return sorted(dask_worker.plugins["dlspark"].jobs)
+
+    tr, _ = digits
+    with dask.config.set({"dlspark.scheduler.client-grace": "1s"}):  # the scheduler runs in this process
+        save_minibatches(tr[:64], url=str(tmp_path / "mb"), batch_size=8)
+        script = tmp_path / "client.py"
+        script.write_text(_ABANDONING_SHARING_CLIENT)
+        proc = subprocess.Popen([sys.executable, str(script), client2.scheduler.address, str(tmp_path / "mb")],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "round"  # its job is running
+            assert len(client2.run_on_scheduler(coordinator_jobs)) == 1
+        finally:
+            proc.kill()
+            proc.wait()
+        deadline = time.monotonic() + 30
+        while client2.run_on_scheduler(coordinator_jobs) or any(client2.run(worker_jobs).values()):
+            assert time.monotonic() < deadline, "the dead client's sharing job still runs"
+            time.sleep(0.2)
