@@ -14,6 +14,7 @@ Run::
 
     python benchmarks/bench_faults.py --fits 20            # 20 per algorithm, the full campaign
     python benchmarks/bench_faults.py --fits 5 --out f.json
+    python benchmarks/bench_faults.py --when rounds --sharing-steps-per-round 2   # kills after a random round
 
 The figures go to stdout (and ``--out`` as JSON).
 """
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 SHARING_TOLERANCE = 1e-5
 
 
-def _masters():
+def _masters(sharing_steps_per_round=16):
     import dlspark
 
     @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def _masters():
             return True
 
     return {"averaging": CheckedAveraging(batch_size_per_worker=32, averaging_frequency=2),
-            "sharing": dlspark.GradientSharing(batch_size_per_worker=32)}
+            "sharing": dlspark.GradientSharing(batch_size_per_worker=32, steps_per_round=sharing_steps_per_round)}
 
 
 def _network(seed):
@@ -63,8 +64,17 @@ def _network(seed):
     return dlspark.Network(dlspark.Model.from_flax(MLP(), tr.features[:1]), updater=optax.adam(1e-2), seed=seed)
 
 
-def one_fit(client, master, data, epochs, kill_after, rng, ckdir):
-    """One fit with a worker SIGKILLed ``kill_after`` s after it starts (None: no kill)."""
+def slow_load(url):
+    """Read a minibatch file a little slowly (rounds last long enough for a kill to land inside them)."""
+    import dlspark
+
+    time.sleep(0.05)
+    return dlspark.data.load_minibatch(url)
+
+
+def one_fit(client, master, data, epochs, kill_after, rng, ckdir, kill_round=None):
+    """One fit with a worker SIGKILLed ``kill_after`` s after it starts (None: no kill), or, with
+    ``kill_round``, ``kill_after`` s after that round's results arrive."""
     import dlspark
 
     pids = client.run(os.getpid)
@@ -80,12 +90,21 @@ def one_fit(client, master, data, epochs, kill_after, rng, ckdir):
     trainer = dlspark.DistributedTrainer(client, _network(rng.randrange(1 << 30)), master, progress=False)
     timer = None if kill_after is None else threading.Timer(kill_after, kill)
     t0 = time.monotonic()
-    if timer is not None:
+    if timer is not None and kill_round is None:
         timer.start()
+
+    def on_round(s):
+        rounds.append(s["round"])
+        if timer is not None and s["round"] == kill_round:
+            timer.start()
+
     error = None
     try:
-        trainer.fit(data, epochs=epochs, checkpoint_every=2, checkpoint_url=os.path.join(ckdir, "ck.dls"),
-                    callbacks=[lambda s: rounds.append(s["round"])])
+        kw = dict(epochs=epochs, checkpoint_every=2, checkpoint_url=os.path.join(ckdir, "ck.dls"), callbacks=[on_round])
+        if isinstance(data, str):  # files read by slow_load
+            trainer.fit_paths(data, loader=slow_load, **kw)
+        else:
+            trainer.fit(data, **kw)
     except Exception as e:  # a failed fit is a finding, not a crash of the campaign
         error = f"{type(e).__name__}: {e}"
     finally:
@@ -96,13 +115,16 @@ def one_fit(client, master, data, epochs, kill_after, rng, ckdir):
     for s in trainer.last_fit_stats if error is None else ():
         per_epoch[s["epoch"]] += s["minibatches"]
     trainer.close()
+    round_times = [s["round_time"] for s in trainer.last_fit_stats] if error is None else []
     return {"completed": error is None, "error": error, "seconds": took,
+            "round_time": sum(round_times) / max(1, len(round_times)),
             "killed": bool(killed), "kill_at_s": killed.get("at"), "kill_after_round": killed.get("round"),
             "rounds": len(rounds), "per_epoch": [per_epoch[e] for e in range(epochs)],
             "divergence": trainer.published.get("replica_divergence")}
 
 
-def campaign(fits, n_workers=3, epochs=2, seed=0, algorithms=("averaging", "sharing"), log=print):
+def campaign(fits, n_workers=3, epochs=2, seed=0, algorithms=("averaging", "sharing"), when="time",
+             sharing_steps_per_round=16, log=print):
     from distributed import Client
 
     import dlspark
@@ -114,8 +136,11 @@ def campaign(fits, n_workers=3, epochs=2, seed=0, algorithms=("averaging", "shar
     n = 18
     out = {}
     with local_cluster(n_workers) as cluster, Client(cluster) as client, tempfile.TemporaryDirectory() as ckdir:
+        if when == "rounds":  # rounds of at least 0.1 s, so that callbacks arrive while the fit runs
+            dlspark.data.save_minibatches(data, url=os.path.join(ckdir, "mb"), batch_size=32)
+            data = os.path.join(ckdir, "mb")
         for name in algorithms:
-            master = _masters()[name]
+            master = _masters(sharing_steps_per_round)[name]
             # the length of an unfaulted fit (after one warm-up fit) sets the range of kill moments
             warm = one_fit(client, master, data, epochs, None, rng, ckdir)
             base = one_fit(client, master, data, epochs, None, rng, ckdir)
@@ -126,7 +151,11 @@ def campaign(fits, n_workers=3, epochs=2, seed=0, algorithms=("averaging", "shar
                     client.wait_for_workers(n_workers, timeout=300)
                 except TimeoutError:
                     log(f"only {len(client.scheduler_info()['workers'])} of {n_workers} workers after 300 s")
-                r = one_fit(client, master, data, epochs, rng.uniform(0.0, span), rng, ckdir)
+                if when == "time":
+                    r = one_fit(client, master, data, epochs, rng.uniform(0.0, span), rng, ckdir)
+                else:  # after a round drawn uniformly (results reach the client late: the kill lands later)
+                    r = one_fit(client, master, data, epochs, rng.uniform(0.0, base["round_time"]), rng, ckdir,
+                                kill_round=rng.randrange(1, base["rounds"]) if base["rounds"] > 1 else 0)
                 r["workers"] = len(client.scheduler_info()["workers"])
                 runs.append(r)
                 log(f"{name} fit {i + 1}/{fits}: completed={r['completed']} killed={r['killed']} "
@@ -152,9 +181,16 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--algorithms", nargs="+", default=["averaging", "sharing"], choices=["averaging", "sharing"])
+    p.add_argument("--when", choices=["time", "rounds"], default="time",
+                   help="time: kill at a moment drawn uniformly over a fit (set-up included); rounds: fits from files "
+                        "read in 0.05 s each, a kill within one round's length after a round drawn uniformly "
+                        "(averaging, syncs, checkpoints, the last round)")
+    p.add_argument("--sharing-steps-per-round", type=int, default=16,
+                   help="gradient sharing's steps_per_round (default 16, the library's: 2 rounds a fit here)")
     p.add_argument("--out", help="write the figures here as JSON")
     args = p.parse_args(argv)
-    res = campaign(args.fits, args.workers, seed=args.seed, algorithms=tuple(args.algorithms))
+    res = campaign(args.fits, args.workers, seed=args.seed, algorithms=tuple(args.algorithms), when=args.when,
+                   sharing_steps_per_round=args.sharing_steps_per_round)
     print("algorithm   fits kills completed lost doubled replicas-ok max-divergence unfaulted-fit")
     for name, r in res.items():
         print(f"{name:<11} {r['fits']:>4} {r['kills']:>5} {r['completed']:>9} {r['lost']:>4} {r['doubled']:>7} "

@@ -359,8 +359,13 @@ def test_a_killed_scheduler_fails_the_fit_quickly_and_a_resume_elsewhere_equals_
 
     from distributed import Client
 
+    from conftest import slow_loader
+
     tr, _ = digits
-    data = tr[:384]  # 12 minibatches of 32: 3 rounds of 2 workers x 2 per epoch
+    # 12 minibatches of 32: 3 rounds of 2 workers x 2 per epoch, read slowly so that the round
+    # results reach the client while the fit still runs
+    data = str(tmp_path / "mb")
+    save_minibatches(tr[:384], url=data, batch_size=32)
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2)
     ck = str(tmp_path / "ck.dls")
     address, sched, workers = _external_cluster(tmp_path, 2)
@@ -376,7 +381,8 @@ def test_a_killed_scheduler_fails_the_fit_quickly_and_a_resume_elsewhere_equals_
                     os.kill(sched.pid, signal.SIGKILL)
 
             with pytest.raises(Exception) as info:
-                trainer.fit(data, epochs=2, checkpoint_every=2, checkpoint_url=ck, callbacks=[on_round])
+                trainer.fit_paths(data, epochs=2, checkpoint_every=2, checkpoint_url=ck, callbacks=[on_round],
+                                  loader=slow_loader(0.3))
             assert killed, f"the fit failed before the scheduler was killed: {info.value!r}"
             waited = time.monotonic() - killed["at"]
     finally:
@@ -392,9 +398,9 @@ def test_a_killed_scheduler_fails_the_fit_quickly_and_a_resume_elsewhere_equals_
     saved = dlspark.Network.load(ck)  # intact: written atomically after round 2
     assert (saved.iteration, saved.epoch) == (8, 0)
     straight = make_net()
-    DistributedTrainer(client2, straight, master, progress=False).fit(data, epochs=2)
+    DistributedTrainer(client2, straight, master, progress=False).fit_paths(data, epochs=2)
     resumed = make_net()
-    DistributedTrainer(client2, resumed, master, progress=False).fit(data, epochs=2, resume_from=ck)
+    DistributedTrainer(client2, resumed, master, progress=False).fit_paths(data, epochs=2, resume_from=ck)
     assert (resumed.iteration, resumed.epoch) == (24, 2)
     for a, b in zip(jax.tree_util.tree_leaves(resumed.state.params), jax.tree_util.tree_leaves(straight.state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
@@ -404,7 +410,16 @@ def test_a_killed_scheduler_fails_the_fit_quickly_and_a_resume_elsewhere_equals_
 def test_direct_minibatches_survive_a_killed_worker(client2, make_net, digits):
     from conftest import kill_at_round
 
+    import time
+
+    from dlspark.data import SourceContext, fit_minibatches
+
     tr, _ = digits
+    # Dask's Active Memory Manager drops surplus replicas every 2 s: the second copies must outlive it
+    m = fit_minibatches(tr[:128], SourceContext(client2, 32, "direct"))
+    time.sleep(4.5)
+    assert [len(v) for v in client2.who_has(m.keep).values()] == [2, 2, 2, 2]
+    del m
     on_round, killed = kill_at_round(client2, 2)
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, training_approach="direct")
     trainer = DistributedTrainer(client2, make_net(), master, progress=False)

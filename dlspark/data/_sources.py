@@ -410,7 +410,11 @@ def _from_batches(batches, ctx):
 def _direct(ctx, pairs, partitions, keep):
     # A second copy on another worker: a worker lost mid-fit leaves its minibatches readable.
     if len(ctx.client.scheduler_info()["workers"]) > 1:
-        ctx.client.replicate(list({id(f): f for f, _ in pairs}.values()), n=2)
+        from ._replicas import keep_replicas
+
+        futures = list({id(f): f for f, _ in pairs}.values())
+        keep_replicas(ctx.client, [f.key for f in futures])  # before Dask's memory manager drops them
+        ctx.client.replicate(futures, n=2)
     return Minibatches([(f.key, i) for f, i in pairs], partitions, keep)
 
 
