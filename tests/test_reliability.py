@@ -406,6 +406,54 @@ def test_a_killed_scheduler_fails_the_fit_quickly_and_a_resume_elsewhere_equals_
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+# -- 2 and 3: exports under an object-store export_directory take storage options; removed at close
+def test_exports_on_an_object_store_take_storage_options_and_are_removed_at_close(client2, make_net, digits, s3):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3)
+    tr, _ = digits
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, export_directory="s3://rel/exports")
+    net = make_net()
+    with DistributedTrainer(client2, net, master, progress=False) as trainer:
+        trainer.fit(tr[:384], epochs=2, checkpoint_every=4, checkpoint_url="s3://rel/ck2/net.dls", storage_options=s3)
+        assert len(fs.ls("rel/exports")) == 1 and len(fs.find("rel/exports")) == 12
+        assert dlspark.Network.load("s3://rel/ck2/net.dls", **s3).iteration == 16
+        resumed = make_net()
+        again = DistributedTrainer(client2, resumed, master, progress=False)
+        again.fit(tr[:384], epochs=2, resume_from="s3://rel/ck2/net.dls", storage_options=s3)
+        again.close()
+        assert (resumed.iteration, resumed.epoch) == (24, 2)
+    assert fs.find("rel/exports") == []  # 3: every export removed at close
+    for a, b in zip(jax.tree_util.tree_leaves(resumed.state.params), jax.tree_util.tree_leaves(net.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# -- 4 and 11: a MultiDataSet trained and evaluated distributed, one output at a time -------------
+def test_multi_output_network_trains_distributed_and_is_evaluated_per_output(client2, digits):
+    from dlspark.evaluation import Evaluation, RegressionEvaluation
+
+    mds = _multi(digits)
+    net = dlspark.Network(dlspark.Model.from_flax(TwoHeads(), tuple(f[:1] for f in mds.features)),
+                          loss=("mcxent", "mse"), updater=optax.adam(1e-2))
+    s0 = net.score(mds)
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32), progress=False,
+                                 eval_num_workers=2)  # 11: two evaluation threads per worker
+    trainer.fit(mds, epochs=4)
+    assert net.score(mds) < 0.5 * s0
+    with pytest.raises(ValueError, match=r"this network has 2 outputs; evaluate one at a time with output=0 \.\. 1"):
+        trainer.evaluate(mds)
+    cls, reg = net.output(tuple(mds.features))
+    local = Evaluation()
+    local.update(mds.labels[0], cls)
+    assert trainer.evaluate(mds, batch_size=48, output=0).stats() == local.stats()
+    local_reg = RegressionEvaluation()
+    local_reg.update(mds.labels[1], reg)
+    dist_reg = trainer.evaluate_regression(mds, output=1)
+    assert dist_reg.mean_squared_error(0) == pytest.approx(local_reg.mean_squared_error(0), rel=1e-6)
+    with pytest.raises(ValueError, match="output=2 but this network has 2 outputs"):
+        trainer.evaluate(mds, output=2)
+
+
 # -- 11: direct minibatches live in two workers' memory, so a lost worker loses none ----------------
 def test_direct_minibatches_survive_a_killed_worker(client2, make_net, digits):
     from conftest import kill_at_round
