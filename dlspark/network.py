@@ -330,10 +330,16 @@ class Network:
     # --- checks ---------------------------------------------------------------
     def check_batch(self, ds) -> None:
         """Raise a clear error if ``ds`` cannot be fed to this network (checked once per shape)."""
-        x, y, fm, lm = batch = ds.jit_batch()
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
-        key = (treedef, tuple((a.shape[1:], a.dtype) if hasattr(a, "dtype") else (np.shape(a)[1:], np.asarray(a).dtype)
-                              for a in leaves))
+        self._check_jit_batch(ds.jit_batch())
+
+    def _check_jit_batch(self, batch) -> None:
+        x, y, fm, lm = batch
+        if type(x) is np.ndarray and type(y) is np.ndarray and fm is None and lm is None:
+            key = (x.shape[1:], x.dtype, y.shape[1:], y.dtype)  # the common case, without a tree walk
+        else:
+            leaves, treedef = jax.tree_util.tree_flatten(batch)
+            key = (treedef, tuple((a.shape[1:], a.dtype) if hasattr(a, "dtype")
+                                  else (np.shape(a)[1:], np.asarray(a).dtype) for a in leaves))
         if key in self._checked_shapes:
             return
         try:
@@ -428,11 +434,11 @@ class Network:
         return self.steps.copy_state(self.state)
 
     def _device_batch(self, ds):
-        ds = as_dataset(ds)
-        self.check_batch(ds)
+        batch = as_dataset(ds).jit_batch()
+        self._check_jit_batch(batch)
         # numpy arrays straight into the jitted step: its C++ path moves them to the device
         # for a fraction of what a jnp.asarray per array costs in Python
-        return ds.jit_batch()
+        return batch
 
     def _settle(self, window, start, first, bar, epochs):
         """Check and read back the bare steps of ``window`` (one transfer) and record their losses.

@@ -1,4 +1,5 @@
 import pathlib
+import re
 import runpy
 
 import pytest
@@ -23,3 +24,6 @@ def test_digits_example_trains_on_the_embedded_cluster(capsys):
     assert acc >= 0.95
     out = capsys.readouterr().out
     assert "Confusion matrix" in out
+    # the embedded cluster's dashboard is on (a free port) and its /dlspark page is named once
+    links = re.findall(r"dlspark: the running job's figures at (\S+)", out)
+    assert len(links) == 1 and re.fullmatch(r"http://[\w.\-]+:\d+/dlspark", links[0]), out

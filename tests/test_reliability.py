@@ -533,3 +533,35 @@ def test_a_sharing_job_whose_client_dies_is_torn_down(client2, digits, tmp_path)
         while client2.run_on_scheduler(coordinator_jobs) or any(client2.run(worker_jobs).values()):
             assert time.monotonic() < deadline, "the dead client's sharing job still runs"
             time.sleep(0.2)
+
+
+def test_a_call_to_a_peer_that_left_ends_when_the_scheduler_drops_it(client2, make_net):
+    # Dask's connect retries a refused connection until its timeout (30 s by default): without
+    # the scheduler check, a worker calling a killed peer waited that long before the job could
+    # drop the peer. Here the pool's timeout is 600 s, so only the check can end the call.
+    import asyncio
+    import socket
+
+    from dlspark.distributed._peers import PeerLeftError, call_peer
+
+    with socket.socket() as s:  # a port nobody listens on: a killed worker's address
+        s.bind(("127.0.0.1", 0))
+        gone = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    listed = sorted(client2.scheduler_info()["workers"])
+    DistributedTrainer(client2, make_net(), ParameterAveraging(), progress=False)  # installs dlspark's plugins
+
+    async def call(dask_worker, addr):
+        pool_timeout, dask_worker.rpc.timeout = dask_worker.rpc.timeout, 600
+        try:
+            await asyncio.wait_for(call_peer(dask_worker, addr, "dlspark_clock"), 60)  # a liveness bound
+            return "answered"
+        except PeerLeftError as e:
+            return f"left: {e}"
+        except asyncio.TimeoutError:
+            return "still waiting"
+        finally:
+            dask_worker.rpc.timeout = pool_timeout
+
+    assert client2.run(call, addr=gone, workers=listed[:1])[listed[0]] == f"left: worker {gone} is no longer in the cluster"
+    # a listed peer answers as before
+    assert client2.run(call, addr=listed[1], workers=listed[:1])[listed[0]] == "answered"

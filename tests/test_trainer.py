@@ -1,5 +1,6 @@
 """End-to-end tests of DistributedTrainer on real LocalClusters (worker processes)."""
 
+import os
 
 import jax
 import numpy as np
@@ -252,8 +253,9 @@ def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(clie
     on_round, killed = kill_at_round(client2, 3)
     urls = dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16)
     net = _digits_net(make_net)
-    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2),
-                                 progress=False)
+    before = set(client2.scheduler_info()["workers"])
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2,
+                                                                  collect_training_stats=True), progress=False)
     trainer.fit_paths(str(tmp_path / "mb"), epochs=4, loader=slow_loader(0.05), callbacks=[on_round])
     assert killed.is_set()
     per_epoch = {}
@@ -267,6 +269,15 @@ def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(clie
     # params from its live peer and contributes to later rounds.
     assert after[-1] == 2
     assert accuracy(net, te) >= 0.9
+    # the worker that joined mid-fit had its clock measured: its fits are in the statistics, on
+    # the scheduler's clock inside the job's window
+    stats = trainer.training_stats
+    (joined,) = set(stats.workers()) - before
+    (job,) = stats.jobs
+    err = stats.clock_error()
+    assert joined in stats.clocks[job["job"]] and err < 0.05
+    fits = stats.select(phase="fit", worker=joined)
+    assert fits and all(job["start"] - err <= e["start"] <= job["end"] + err for e in fits)
     client2.wait_for_workers(2, timeout=60)
 
 
@@ -423,3 +434,22 @@ def test_a_second_fit_of_the_same_data_exports_nothing_and_close_removes_the_exp
     assert len(list(base.iterdir())) == 2
     trainer.close()
     assert list(base.iterdir()) == []
+
+
+def test_a_trainer_never_closed_leaves_no_temporary_exports(client2, make_net, digits, tmp_path):
+    # Temporary exports go with the trainer (garbage collection, or the interpreter's exit);
+    # a user's export_directory is only cleared by close().
+    import gc
+
+    tr, _ = digits
+    trainer = DistributedTrainer(client2, make_net(), ParameterAveraging(batch_size_per_worker=32), progress=False)
+    trainer.fit(tr[:128])
+    (temporary,) = trainer._exports._temporary
+    assert os.path.isdir(temporary) and len(os.listdir(temporary)) == 4
+    kept = DistributedTrainer(client2, make_net(), ParameterAveraging(batch_size_per_worker=32,
+                                                                      export_directory=str(tmp_path)), progress=False)
+    kept.fit(tr[:128])
+    del trainer, kept
+    gc.collect()
+    assert not os.path.exists(temporary)
+    assert len(list(tmp_path.iterdir())) == 1

@@ -60,7 +60,11 @@ class _Base:
 
     def _take(self, index):
         pick = lambda arrs: tuple(None if a is None else a[index] for a in arrs)  # noqa: E731
-        return type(self)._from_tuples(pick(self._f), pick(self._l), pick(self._fm), pick(self._lm))
+        # slices of arrays this data set already checked: nothing to check again (a local
+        # fit cuts an epoch into minibatches this way, so it costs no validation per batch)
+        out = object.__new__(type(self))
+        out._f, out._l, out._fm, out._lm = pick(self._f), pick(self._l), pick(self._fm), pick(self._lm)
+        return out
 
     def __getitem__(self, index):
         if isinstance(index, int):

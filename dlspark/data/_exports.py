@@ -6,7 +6,10 @@ each fit exported, keyed by the data's *content* (a Dask token of its arrays,
 so an array changed in place is exported again), and a later fit of the same
 data at the same batch size trains from the files already written. Every
 directory it created, under a temporary directory or a user's
-``export_directory``, is removed by :meth:`Exports.remove`.
+``export_directory``, is removed by :meth:`Exports.remove`. Temporary local
+directories are also removed when the :class:`Exports` is garbage collected or
+the interpreter exits (a trainer that was never closed leaves nothing in
+``/tmp``); a user's ``export_directory`` is only ever cleared by ``remove``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
+import weakref
 
 import fsspec
 
@@ -49,6 +53,8 @@ class Exports:
     def __init__(self):
         self._by_content: dict = {}
         self._dirs: list = []  # (url, is a local temporary directory, storage options)
+        self._temporary: list = []  # local temporary directories, shared with the finalizer
+        weakref.finalize(self, _remove_local, self._temporary)
 
     def directory(self, base: str | None, storage_options: dict | None = None) -> str:
         """A fresh directory for one export: a temporary local one, or one under ``base``
@@ -56,6 +62,7 @@ class Exports:
         if base is None:
             d = tempfile.mkdtemp(prefix="dlspark-export-")
             self._dirs.append((d, True, None))
+            self._temporary.append(d)
             return d
         reject_memory(base, "export_directory")
         d = url_join(base, uuid.uuid4().hex)
@@ -87,4 +94,12 @@ class Exports:
             except FileNotFoundError:  # nothing was written there (an export that failed early)
                 pass
         self._dirs = []
+        self._temporary.clear()
         self._by_content = {}
+
+
+def _remove_local(dirs):
+    """The finalizer: remove the temporary local directories (it holds no reference to the Exports)."""
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    dirs.clear()

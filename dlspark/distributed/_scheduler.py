@@ -136,6 +136,8 @@ class _JobShell:
             return self.feed(JoinFailed(i.worker, f"{type(e).__name__}: {e}"))
         if "error" in resp:
             return self.feed(JoinFailed(i.worker, _unwrap(resp["error"]).text))
+        if self.stats is not NULL:  # a worker joining mid-fit: its clock, so its events line up too
+            self.clocks.update(await measure_workers(self.scheduler.rpc, [i.worker]))
         self.feed(Joined(i.worker))
 
     def _do_Emit(self, i: Emit):
@@ -181,6 +183,7 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers["dlspark_wait"] = self._wait
         scheduler.handlers["dlspark_finish"] = self._finish
         scheduler.handlers["dlspark_clock"] = self._clock
+        scheduler.handlers["dlspark_listed"] = self._listed
         scheduler.handlers["dlspark_job_stats"] = self._job_stats
         self.live = LivePage.install(scheduler)
 
@@ -226,6 +229,10 @@ class DlsparkSchedulerPlugin(SchedulerPlugin):
 
     async def _clock(self):
         return {"time": time.time()}
+
+    async def _listed(self, addresses):
+        """Which of ``addresses`` are workers now (a worker waiting on a peer asks; see ``_peers``)."""
+        return {"listed": [a for a in addresses if a in self.scheduler.workers]}
 
     async def _job_stats(self, job):
         """A finished job's statistics: the workers' clocks measured again and every

@@ -19,6 +19,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
 from ._messages import ErrorReply, Unavailable
+from ._peers import call_peer
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
     async def _join(self, job: str, source: str, spec: bytes, rank: int):
         """Set up a job on a worker that arrived mid-fit, from a live peer's current state."""
-        resp = await self.worker.rpc(source).dlspark_state(job=job)
+        resp = await call_peer(self.worker, source, "dlspark_state", job=job)
         if "error" in resp:
             raise RuntimeError(f"could not get job {job!r}'s state from {source}: {resp['error'].text}")
         run = await self._install(job, spec, resp["state"], rank)
@@ -162,7 +163,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         """The largest absolute difference between this replica's parameters and ``source``'s,
         whose state comes worker to worker: the client receives one number."""
         run = self._job(job)
-        resp = await self.worker.rpc(source).dlspark_state(job=job)
+        resp = await call_peer(self.worker, source, "dlspark_state", job=job)
         if "error" in resp:
             raise RuntimeError(f"could not get job {job!r}'s state from {source}: {resp['error'].text}")
         return {"reply": await run.compute(max_param_difference, run.state, resp["state"])}

@@ -62,7 +62,7 @@ def _timeline(stats, phases, colours):
     src = ColumnDataSource(data)
     p = figure(y_range=list(reversed(lanes)), height=max(220, 34 * len(lanes) + 90), sizing_mode="stretch_width",
                title="Timeline (scheduler's clock; one lane per worker and thread)", x_axis_label="seconds",
-               tools="xpan,xwheel_zoom,box_zoom,reset,save", name="timeline")
+               tools="xpan,xwheel_zoom,box_zoom,reset,save", name="timeline", min_border_left=24)
     p.hbar(y="lane", left="left", right="right", height=0.8, fill_color="colour", line_color=None, source=src,
            legend_field="phase")
     p.add_tools(HoverTool(tooltips=[("phase", "@phase"), ("ms", "@ms{0.000}"), ("round", "@round"),
@@ -104,6 +104,7 @@ def _histograms(stats, phases, colours):
         hist, edges = np.histogram(d, bins=min(30, max(5, int(math.sqrt(len(d))))))
         p = figure(height=170, width=260, title=f"{ph} (n={len(d)}), ms", tools="save")
         p.quad(top=hist, bottom=0, left=edges[:-1], right=edges[1:], fill_color=colour, line_color=None)
+        p.xaxis.ticker.desired_num_ticks = 4  # wide tick labels (10000, 20000) would run together
         plots.append(p)
     return gridplot(plots, ncols=4, toolbar_location=None) if plots else None
 
@@ -159,6 +160,8 @@ def _sharing(stats):
             if pts:
                 xs, ys = zip(*pts)
                 p.scatter(list(xs), list(ys), size=4, color=colour, legend_label=_short(w))
+        if p.legend:  # under the plot, not over its points
+            p.add_layout(p.legend[0], "below")
         figs.append(p)
     return row(*figs)
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from distributed.protocol import to_serialize
 
+from ...distributed._peers import call_peer
 from ...distributed._run import WorkerRun
 from ...distributed._messages import FitReply, Unavailable
 from ._messages import AverageOrder, AverageReply, Contribution, Share
@@ -255,7 +256,7 @@ class AveragingRun(WorkerRun):
     async def _ask(self, addr, op, **kw):
         """A peer's answer to a request, or ``Unavailable`` when it cannot be reached."""
         try:
-            resp = await self.worker.rpc(addr).dlspark_peer(job=self.job, request=op, **kw)
+            resp = await call_peer(self.worker, addr, "dlspark_peer", job=self.job, request=op, **kw)
         except OSError:
             return Unavailable(peer=addr)
         return resp.get("reply", Unavailable(peer=addr)) if isinstance(resp, dict) else Unavailable(peer=addr)

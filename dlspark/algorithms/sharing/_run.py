@@ -11,6 +11,7 @@ import numpy as np
 from distributed.protocol import to_serialize
 
 from ...distributed._messages import Ack, FitReply
+from ...distributed._peers import call_peer
 from ...distributed._run import WorkerRun
 from ._messages import HaveReply, Messages, SyncReply
 from ._state import SharingState
@@ -30,8 +31,8 @@ class SharingRun(WorkerRun):
         t0 = self.stats.now()
         # One-way: no reply is written or awaited (a message lost on the way is fetched
         # at the round's sync), which halves the messages on both event loops.
-        await asyncio.gather(*[self.worker.rpc(p).dlspark_peer(job=self.job, request="push", sender=sender, step=step,
-                                                               message=payload, via=self.address, reply=False)
+        await asyncio.gather(*[call_peer(self.worker, p, "dlspark_peer", job=self.job, request="push", sender=sender,
+                                         step=step, message=payload, via=self.address, reply=False)
                                for p in targets], return_exceptions=True)
         self.stats.add("push", t0, self.stats.now(), "comms", bytes=int(message.nbytes) * len(targets), step=step)
 
@@ -73,7 +74,7 @@ class SharingRun(WorkerRun):
             if holder == self.address:
                 continue
             try:
-                resp = await self.worker.rpc(holder).dlspark_peer(job=self.job, request="get", keys=keys)
+                resp = await call_peer(self.worker, holder, "dlspark_peer", job=self.job, request="get", keys=keys)
                 messages = resp["reply"].messages
             except Exception as e:  # lost since it reported what it holds: the coordinator decides
                 logger.info("dlspark job %s: could not fetch messages from %s: %s", self.job, holder, e)
