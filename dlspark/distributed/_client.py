@@ -8,6 +8,7 @@ Algorithm-specific work goes through the master's hooks (``resume_state``,
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import asdict
 
@@ -171,6 +172,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
 
     topic = f"dlspark-{job}"
     client.subscribe_topic(topic, on_event)
+    lost = False
     try:
         st = ClientSide(client, export_span) if master.collect_training_stats else NoClientSide()
         with st.span("broadcast", bytes=(len(spec) + len(state)) * len(workers)):
@@ -198,8 +200,9 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             trainer.training_stats.add(st.finish(job, master.name, result.stats, workers))
         trainer.last_fit_stats = list(result.stats)
     except OSError as e:  # Dask's CommClosedError is one
-        if client.status == "running":
+        if not _scheduler_lost(client):
             raise
+        lost = True
         raise JobFailedError(
             f"the connection to the scheduler at {client.scheduler.address} was lost during the fit "
             f"({type(e).__name__}: {e}); the job died with the scheduler. Start a cluster again and go on from "
@@ -207,13 +210,24 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     finally:
         client.unsubscribe_topic(topic)
         try:
-            if client.status == "running":  # a lost scheduler has nothing left to clean
+            if not lost and client.status == "running":  # a lost scheduler has nothing left to clean
                 client.sync(client.scheduler.dlspark_finish, job=job)
         except Exception:  # the cluster is going away; nothing left to clean
             pass
         if bar is not None:
             bar.close()
     return net
+
+
+def _scheduler_lost(client, within: float = 2.0) -> bool:
+    """Whether ``client`` lost its scheduler: a call that failed with a closed connection
+    may be seen a moment before the client itself notices (its status leaves "running").
+    Until it does, a call to the scheduler would retry the refused connection for the
+    client's whole connect timeout, so the fit's clean-up must not make one."""
+    deadline = time.monotonic() + within
+    while client.status == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return client.status != "running"
 
 
 async def _replica_differences(client, job, source, others):
