@@ -145,12 +145,15 @@ def campaign(fits, n_workers=3, epochs=2, seed=0, algorithms=("averaging", "shar
             warm = one_fit(client, master, data, epochs, None, rng, ckdir)
             base = one_fit(client, master, data, epochs, None, rng, ckdir)
             span = min(warm["seconds"], base["seconds"])  # a kill drawn past a fit's end is no kill
-            runs = []
+            runs, nannies_gave_up = [], []
             for i in range(fits):
                 try:  # the nanny restarts the worker killed in the last fit
                     client.wait_for_workers(n_workers, timeout=300)
                 except TimeoutError:
-                    log(f"only {len(client.scheduler_info()['workers'])} of {n_workers} workers after 300 s")
+                    have = len(client.scheduler_info()["workers"])
+                    log(f"only {have} of {n_workers} workers after 300 s: going on with {have} (a nanny gave up)")
+                    nannies_gave_up.append(i)
+                    n_workers = have
                 if when == "time":
                     r = one_fit(client, master, data, epochs, rng.uniform(0.0, span), rng, ckdir)
                 else:  # after a round drawn uniformly (results reach the client late: the kill lands later)
@@ -170,7 +173,7 @@ def campaign(fits, n_workers=3, epochs=2, seed=0, algorithms=("averaging", "shar
                 "minibatches_per_epoch": n, "lost": lost, "doubled": doubled,
                 "replicas_within_tolerance": sum((r["divergence"] or 0.0) <= limit for r in done),
                 "max_divergence": max((r["divergence"] or 0.0 for r in done), default=None),
-                "unfaulted_fit_s": span, "runs": runs,
+                "unfaulted_fit_s": span, "nannies_gave_up_before_fit": nannies_gave_up, "runs": runs,
             }
     return out
 
