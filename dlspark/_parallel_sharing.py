@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +31,11 @@ from jax.sharding import PartitionSpec as P
 
 from .algorithms.sharing._encoding import EMPTY, decode_into, encode_scratch, threshold_encode
 from .algorithms.sharing._state import _sharing_functions
-from .algorithms.sharing._thresholds import ResidualClipping
+from .algorithms.sharing._thresholds import ResidualClipping, threshold_meta
 from .algorithms.sharing._xla import encode_on_device_jit, message_bytes, sparsity_of
+from .checkpoint import fit_checkpoint_bytes
 from .data import load_ref
+from .io import write_bytes
 
 __all__ = ["run_sharing", "ENCODERS"]
 
@@ -111,7 +114,7 @@ def _loader(refs, order, loader, options, devices, depth, check):
 class _Replicas:
     """The devices' replicas and their sharing state."""
 
-    def __init__(self, wrapper, encoder):
+    def __init__(self, wrapper, encoder, saved_rngs=None):
         net, master = wrapper.network, wrapper.master
         self.wrapper, self.net, self.master = wrapper, net, master
         self.devices = wrapper.devices
@@ -123,7 +126,12 @@ class _Replicas:
         if fns is None:
             fns = net._sharing_fns = _sharing_functions(net.steps, unravel)
         self.flat_update, self.apply_flat, self.add_flat = fns
+        # each replica's RNG as the cluster's worker of that rank has it: a checkpoint's saved
+        # stream for its position, else a fold of rank 0's
         rngs = [net.state.rng] + [jax.random.fold_in(net.state.rng, r) for r in range(1, len(self.devices))]
+        dtype = np.asarray(net.state.rng).dtype
+        rngs = [np.asarray(saved_rngs[r], dtype) if saved_rngs and r < len(saved_rngs) else rng
+                for r, rng in enumerate(rngs)]
         # copies (the steps donate them): the network keeps its state until the fit succeeds
         self.states = [jax.device_put(net.state.replace(rng=rng), d, may_alias=False)
                        for rng, d in zip(rngs, self.devices)]
@@ -132,7 +140,8 @@ class _Replicas:
         self.steps = [0] * len(self.devices)  # each replica's message counter
         if encoder == "host":
             self.residuals = [np.zeros(self.n, np.float32) for _ in self.devices]
-            self.scratch = encode_scratch(self.n)
+            self.scratch = [encode_scratch(self.n) for _ in self.devices]
+            self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="dlspark-encode")
         else:
             self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
             self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
@@ -142,6 +151,11 @@ class _Replicas:
             self.stacked = NamedSharding(mesh, P(AXIS))
             self.sum = jax.jit(lambda m: m.sum(0), out_shardings=NamedSharding(mesh, P()))
             self.clip = jax.jit(lambda r, lim: jnp.clip(r, -lim, lim))
+
+    def close(self):
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     # -- one step on every device ---------------------------------------------------
     def step(self, batches, on_bad):
@@ -176,21 +190,31 @@ class _Replicas:
         self.tstates[i] = self.algo.update(self.tstates[i], sparsity)
         return sparsity
 
+    def _encode_one(self, i, update):
+        """Replica ``i``'s message of this step (host encoder): its update added to its
+        residual, what crossed its threshold taken out. Replicas encode on threads of
+        their own (the scan and numpy's loops release the GIL), each with its own scratch."""
+        r = self.residuals[i]
+        r += np.asarray(update)
+        self.tstates[i] = _prepare(self.algo, self.tstates[i], r)
+        t = self.tstates[i].threshold
+        enc = threshold_encode(r, t, out=r, scratch=self.scratch[i], min_count=2)
+        self.residuals[i] = self.post.update(r, t, self.steps[i] + 1)
+        return enc, t, self._advance(i, t, enc.count)
+
     def _encode_host(self, outs, active):
+        if len(active) > 1:
+            done = list(self.pool.map(lambda i: self._encode_one(i, outs[i][0]), active))
+        else:
+            done = [self._encode_one(i, outs[i][0]) for i in active]
         total = np.zeros(self.n, np.float32)
         sent, ts, sparsities = 0, [], []
-        for i in active:
-            r = self.residuals[i]
-            r += np.asarray(outs[i][0])
-            self.tstates[i] = _prepare(self.algo, self.tstates[i], r)
-            t = self.tstates[i].threshold
-            enc = threshold_encode(r, t, out=r, scratch=self.scratch, min_count=2)
+        for enc, t, sparsity in done:  # summed in replica order: the same bits as one thread
             if enc.message[0] != EMPTY:
                 decode_into(enc.message, total)
             sent += int(enc.message.nbytes) * (len(self.devices) - 1)
-            self.residuals[i] = self.post.update(r, t, self.steps[i] + 1)
             ts.append(float(t))
-            sparsities.append(self._advance(i, t, enc.count))
+            sparsities.append(sparsity)
         return [jax.device_put(total, d) for d in self.devices], sent, ts, sparsities
 
     def _encode_xla(self, outs, active):
@@ -218,59 +242,91 @@ class _Replicas:
             sparsities.append(self._advance(i, t, counts[i]))
         return [by_device[d] for d in self.devices], sent, list(ts.values()), sparsities
 
+    def write_checkpoint(self, url, step, epoch, progress):
+        """What the cluster's first worker writes: replica 0's state, every replica's RNG and
+        the thresholds reached. Residuals are not kept (the cluster's checkpoints do not keep
+        them either, nor do DL4J's): a resumed fit starts with empty residuals, so its first
+        steps may send nothing until they fill to the threshold reached, and every replica
+        starts from replica 0's updater state."""
+        rngs = [np.asarray(s.rng).tolist() for s in self.states]
+        meta = {"threshold_states": threshold_meta(self.algo, self.tstates)}
+        write_bytes(url, fit_checkpoint_bytes(jax.device_get(self.states[0]), self.net, step=step, epoch=epoch,
+                                              progress=progress, worker_rngs=rngs, meta=meta))
 
-def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, encoder):
+
+def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, encoder, *, resumed=None,
+                checkpoint_every=None, checkpoint_url=None):
     """Fit ``refs`` for ``epochs`` with gradient sharing over ``wrapper``'s devices; returns the
-    rounds' statistics (``steps_per_round`` steps per device make a round)."""
+    rounds' statistics (``steps_per_round`` steps per device make a round).
+
+    ``resumed``: ``(minibatches done in the first epoch, saved RNGs, epochs done before,
+    epochs of the whole fit)`` from a checkpoint (the network already holds its state).
+    Every ``checkpoint_every`` rounds a checkpoint goes to ``checkpoint_url``; an epoch's
+    last round counts as one, short or not."""
     net, master = wrapper.network, wrapper.master
+    skip, saved_rngs, epochs_done, epochs_total = resumed or ((), None, 0, epochs)
     home = next(iter(jax.tree_util.tree_leaves(net.state)[0].devices()))
-    reps = _Replicas(wrapper, encoder)
-    base_step, base_epoch = net.iteration, net.epoch
-    n_dev = len(reps.devices)
-    stats, trained = [], 0
-    depth = max(1, master.worker_prefetch_num_batches)
+    reps = _Replicas(wrapper, encoder, saved_rngs)
+    try:
+        base_step, base_epoch = net.iteration, net.epoch
+        n_dev = len(reps.devices)
+        stats, trained = [], 0
+        depth = max(1, master.worker_prefetch_num_batches)
 
-    def on_bad(i, loss):
-        net.nonfinite(base_step + trained, loss)
+        def on_bad(i, loss):
+            net.nonfinite(base_step + trained, loss)
 
-    round_no = 0
-    for epoch in range(epochs):
-        reps.states = [s.replace(epoch=jax.device_put(np.int32(base_epoch + epoch), d))
-                       for s, d in zip(reps.states, reps.devices)]
-        steps = _loader(refs, list(range(len(refs))), loader, storage_options, reps.devices, depth, net.check_batch)
-        row = _new_row()
-        t_round = time.perf_counter()
-        for j, batches in enumerate(steps):
-            t0 = time.perf_counter()
-            losses, examples, sent, ts, sp = reps.step(batches, on_bad)
-            row["fit_time"] += time.perf_counter() - t0
-            row["losses"] += losses
-            row["examples"] += examples
-            row["minibatches"] += len(losses)
-            row["bytes_sent"] += sent
-            row["dense_bytes"] += 4 * reps.n * (n_dev - 1) * len(losses)
-            row["thresholds"] += ts
-            row["sparsities"] += sp
-            trained += len(losses)
-            if (j + 1) % master.steps_per_round == 0:
+        round_no = 0
+        for epoch in range(epochs):
+            reps.states = [s.replace(epoch=jax.device_put(np.int32(base_epoch + epoch), d))
+                           for s, d in zip(reps.states, reps.devices)]
+            done = set(skip) if epoch == 0 else set()
+            order = [i for i in range(len(refs)) if i not in done]
+            steps = _loader(refs, order, loader, storage_options, reps.devices, depth, net.check_batch)
+            row = _new_row()
+            t_round = time.perf_counter()
+
+            def end_round():
+                nonlocal round_no
                 round_no += 1
                 stats.append(_finish_row(row, round_no, epoch, trained, t_round, n_dev, bar, callbacks))
-                row, t_round = _new_row(), time.perf_counter()
-        if row["minibatches"]:
-            round_no += 1
-            stats.append(_finish_row(row, round_no, epoch, trained, t_round, n_dev, bar, callbacks))
-    net.state = jax.device_put(reps.states[0].replace(step=np.int32(base_step + trained),
-                                                      epoch=np.int32(base_epoch + epochs)), home)
-    wrapper.algorithm_state = dict(wrapper.algorithm_state, threshold_state=master.threshold_algorithm.reduce(
-        reps.tstates))
-    comm = wrapper.published.setdefault("communication", {"bytes_sent": 0, "dense_bytes": 0})
-    comm["bytes_sent"] += sum(s["bytes_sent"] for s in stats)
-    comm["dense_bytes"] += sum(s["dense_bytes"] for s in stats)
-    params = [jax.tree_util.tree_leaves(s.params) for s in reps.states]
-    wrapper.published["replica_divergence"] = max(
-        (float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for other in params[1:] for a, b in zip(params[0], other)),
-        default=0.0)
-    wrapper.published["sharing_encoder"] = encoder
+                if checkpoint_every and round_no % checkpoint_every == 0:
+                    over = len(done) == len(refs)  # the epoch's last round: the checkpoint is at the next's start
+                    progress = {"epoch": epochs_done + epoch + over, "done": [] if over else sorted(done),
+                                "epochs_total": epochs_total}
+                    reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + epoch + over, progress)
+
+            n = len(reps.devices)
+            for j, batches in enumerate(steps):
+                t0 = time.perf_counter()
+                losses, examples, sent, ts, sp = reps.step(batches, on_bad)
+                row["fit_time"] += time.perf_counter() - t0
+                row["losses"] += losses
+                row["examples"] += examples
+                row["minibatches"] += len(losses)
+                row["bytes_sent"] += sent
+                row["dense_bytes"] += 4 * reps.n * (n_dev - 1) * len(losses)
+                row["thresholds"] += ts
+                row["sparsities"] += sp
+                trained += len(losses)
+                done.update(order[j * n:(j + 1) * n])  # a skipped non-finite minibatch counts as done
+                if (j + 1) % master.steps_per_round == 0 or len(done) == len(refs):
+                    end_round()
+                    row, t_round = _new_row(), time.perf_counter()
+        net.state = jax.device_put(reps.states[0].replace(step=np.int32(base_step + trained),
+                                                          epoch=np.int32(base_epoch + epochs)), home)
+        wrapper.algorithm_state = dict(wrapper.algorithm_state, threshold_state=master.threshold_algorithm.reduce(
+            reps.tstates))
+        comm = wrapper.published.setdefault("communication", {"bytes_sent": 0, "dense_bytes": 0})
+        comm["bytes_sent"] += sum(s["bytes_sent"] for s in stats)
+        comm["dense_bytes"] += sum(s["dense_bytes"] for s in stats)
+        params = [jax.tree_util.tree_leaves(s.params) for s in reps.states]
+        wrapper.published["replica_divergence"] = max(
+            (float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for other in params[1:] for a, b in zip(params[0], other)),
+            default=0.0)
+        wrapper.published["sharing_encoder"] = encoder
+    finally:
+        reps.close()
     return stats
 
 

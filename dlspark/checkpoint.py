@@ -37,7 +37,7 @@ from .errors import CheckpointError
 from .io import NPY_READ_LOCK, read_bytes, write_bytes
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "load_checkpoint", "read_checkpoint_meta", "state_to_bytes",
-           "state_from_bytes", "read_checkpoint_aux", "FORMAT_VERSION"]
+           "state_from_bytes", "read_checkpoint_aux", "fit_checkpoint_bytes", "FORMAT_VERSION"]
 
 FORMAT = "dlspark-checkpoint"
 FORMAT_VERSION = 1
@@ -122,6 +122,17 @@ def state_to_bytes(state, extra: dict | None = None, definition: dict | None = N
         if definition is not None:
             z.writestr("definition.pkl", _dump_definition(definition))
     return buf.getvalue()
+
+
+def fit_checkpoint_bytes(state, network, *, step: int, epoch: int, progress: dict, worker_rngs,
+                         meta: dict | None = None, aux=None) -> bytes:
+    """A fit's checkpoint, as every trainer writes it: ``state`` with the counters ``step`` and
+    ``epoch``, where the fit stands (``progress``), every replica's RNG in position order and
+    the algorithm's ``meta`` (and ``aux`` arrays); either trainer resumes from it."""
+    st = state.replace(step=np.int32(step), epoch=np.int32(epoch))
+    extra = {"iteration": step, "epoch": epoch, "seed": network.seed, "fit_progress": progress,
+             "worker_rngs": list(worker_rngs), **(meta or {})}
+    return state_to_bytes(st, extra, network.definition(), aux=aux)
 
 
 def _open(url, raw):

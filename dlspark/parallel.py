@@ -32,7 +32,7 @@ from .algorithms.averaging import ParameterAveraging
 from .algorithms.averaging._numerics import is_averaged
 from .algorithms.sharing import GradientSharing
 from ._parallel_sharing import resolve_encoder
-from .checkpoint import state_to_bytes
+from .checkpoint import fit_checkpoint_bytes
 from .data import as_dataset, list_minibatches, load_ref
 from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_examples, is_dask_collection,
                             keyed_items, local_batches)
@@ -293,8 +293,8 @@ class ParallelWrapper:
              resume_from, callbacks, progress):
         net, master = self.network, self.master
         if isinstance(master, GradientSharing):
-            return self._run_sharing(refs, epochs, loader, storage_options, checkpoint_every, resume_from,
-                                     callbacks, progress)
+            return self._run_sharing(refs, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
+                                     resume_from, callbacks, progress)
         skip, saved_rngs, epochs_done, epochs_total = (), None, 0, epochs
         if resume_from is not None:  # the cluster's resume: the same checks, meta and state
             epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(self, resume_from, epochs)
@@ -366,16 +366,22 @@ class ParallelWrapper:
         self.last_fit_stats = stats
         return net
 
-    def _run_sharing(self, refs, epochs, loader, storage_options, checkpoint_every, resume_from, callbacks,
-                     progress):
+    def _run_sharing(self, refs, epochs, loader, storage_options, checkpoint_every, checkpoint_url, resume_from,
+                     callbacks, progress):
         from ._parallel_sharing import run_sharing
 
-        if checkpoint_every or resume_from:
-            raise NotImplementedError("ParallelWrapper writes and resumes checkpoints with ParameterAveraging; "
-                                      "with GradientSharing, train on a DistributedTrainer to checkpoint")
-        bar = _progress_bar(self.progress if progress is None else progress, epochs * len(refs))
+        resumed = None
+        if resume_from is not None:  # the cluster's resume: the same checks, meta and thresholds
+            total = epochs
+            epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(self, resume_from, epochs)
+            if epochs <= 0:
+                return self.network
+            resumed = (skip, saved_rngs, epochs_done, total)
+        bar = _progress_bar(self.progress if progress is None else progress,
+                            epochs * len(refs) - len(resumed[0] if resumed else ()))
         try:
-            stats = run_sharing(self, refs, epochs, loader, storage_options, callbacks, bar, self.sharing_encoder)
+            stats = run_sharing(self, refs, epochs, loader, storage_options, callbacks, bar, self.sharing_encoder,
+                                resumed=resumed, checkpoint_every=checkpoint_every, checkpoint_url=checkpoint_url)
         finally:
             if bar is not None:
                 bar.close()
@@ -454,12 +460,10 @@ class ParallelWrapper:
 
     def _checkpoint(self, url, state, outer, step, epoch, progress):
         """Write what the cluster's first worker writes: rank 0's state, every replica's RNG."""
-        net = self.network
-        st = self._replica(state).replace(step=np.int32(step), epoch=np.int32(epoch))
         rngs = [np.asarray(x).tolist() for x in np.asarray(state.rng)]
-        extra = {"iteration": step, "epoch": epoch, "seed": net.seed, "fit_progress": progress, "worker_rngs": rngs}
         aux = None if self.master.outer_updater is None else self._replica(outer)
-        write_bytes(url, state_to_bytes(st, extra, net.definition(), aux=aux))
+        write_bytes(url, fit_checkpoint_bytes(self._replica(state), self.network, step=step, epoch=epoch,
+                                              progress=progress, worker_rngs=rngs, aux=aux))
 
     # -- evaluation, inference, scoring (in this process, on the network's device) --------
     def _refs(self, data, batch_size, storage_options):

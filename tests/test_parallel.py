@@ -264,15 +264,45 @@ def test_gradient_sharing_skips_a_non_finite_minibatch_and_keeps_the_replicas_eq
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(net.state.params))
 
 
+def test_gradient_sharing_checkpoints_the_state_it_reached_and_resumes_the_rest(make_net, digits, tmp_path):
+    tr, te = digits
+    data = tr[:640]  # 20 minibatches of 32: 10 lockstep steps of 2 devices, 5 rounds
+    url = str(tmp_path / "ck.dls")
+    master = GradientSharing(batch_size_per_worker=32, steps_per_round=2)
+    straight = make_net(MLP(dropout=0.3))
+    ParallelWrapper(straight, master, CPU2, progress=False).fit(data, checkpoint_every=3, checkpoint_url=url)
+    meta = read_checkpoint_meta(url)  # round 3: 6 steps of 2 devices
+    assert (meta["iteration"], meta["epoch"], len(meta["worker_rngs"])) == (12, 0, 2)
+    assert meta["fit_progress"] == {"epoch": 0, "done": list(range(12)), "epochs_total": 1}
+    assert len(meta["threshold_states"]["states"]) == 2
+    # replica 0's state then: what a fit on just those 12 minibatches ends with
+    prefix = make_net(MLP(dropout=0.3))
+    ParallelWrapper(prefix, master, CPU2, progress=False).fit(data[:384])
+    saved = make_net(MLP(dropout=0.3)).restore(url)
+    _close(saved.state.params, prefix.state.params, rtol=0, atol=0)
+    _close(saved.state.opt_state, prefix.state.opt_state, rtol=0, atol=0)
+    resumed = make_net(MLP(dropout=0.3))
+    wrapper = ParallelWrapper(resumed, master, CPU2, progress=False)
+    wrapper.fit(data, resume_from=url)  # the 8 minibatches left, from the thresholds reached
+    assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (20, 1)
+    assert sum(s["minibatches"] for s in wrapper.last_fit_stats) == 8
+    assert wrapper.threshold_state.steps == 6 + 4  # the thresholds went on from the checkpoint's
+    # an epoch's last round: the checkpoint stands at the next epoch's start
+    ParallelWrapper(make_net(MLP(dropout=0.3)), master, CPU2, progress=False).fit(
+        data, epochs=2, checkpoint_every=5, checkpoint_url=url)
+    meta = read_checkpoint_meta(url)
+    assert (meta["iteration"], meta["epoch"], meta["fit_progress"]) == (40, 2, {"epoch": 2, "done": [],
+                                                                                "epochs_total": 2})
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="network must be a dlspark.Network"):
         ParallelWrapper(object(), ParameterAveraging())
     with pytest.raises(ValueError, match=r"sharing_encoder must be one of \('auto', 'host', 'xla'\), got 'gpu'"):
         ParallelWrapper(_tiny_net(), GradientSharing(), CPU2, sharing_encoder="gpu")
-    with pytest.raises(NotImplementedError, match="with GradientSharing, train on a DistributedTrainer to checkpoint"):
+    with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_url"):
         ParallelWrapper(_tiny_net(), GradientSharing(), CPU2, progress=False).fit(
-            (np.zeros((4, 64), np.float32), np.zeros((4, 10), np.float32)), checkpoint_every=1,
-            checkpoint_url="file:///nonexistent/ck.dls")
+            (np.zeros((4, 64), np.float32), np.zeros((4, 10), np.float32)), checkpoint_every=1)
     with pytest.raises(ValueError, match="devices must be an integer >= 1, got 0"):
         ParallelWrapper(_tiny_net(), ParameterAveraging(), devices=0)
     with pytest.raises(ValueError, match=r"devices=64, but JAX has \d+ .* device"):
@@ -328,3 +358,26 @@ def test_a_checkpoint_of_either_trainer_resumes_in_the_other(client2, make_net, 
     trainer(resumed, reader).fit(data, epochs=2, resume_from=url)
     _close(resumed.state.params, straight.state.params, rtol=1e-4, atol=1e-6)
     assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (40, 2)
+
+
+@pytest.mark.slow
+def test_a_gradient_sharing_checkpoint_of_either_trainer_resumes_in_the_other(client2, make_net, digits, tmp_path):
+    tr, _ = digits
+    data = tr[:640]  # 20 minibatches; 3 epochs of 5 rounds; the checkpoint at round 14 has 48 done
+    master = GradientSharing(batch_size_per_worker=32, steps_per_round=2)
+    trainers = {"cluster": lambda net: DistributedTrainer(client2, net, master, progress=False),
+                "wrapper": lambda net: ParallelWrapper(net, master, CPU2, progress=False)}
+    for writer, reader in (("cluster", "wrapper"), ("wrapper", "cluster")):
+        url = str(tmp_path / f"{writer}.dls")
+        trainers[writer](make_net()).fit(data, epochs=3, checkpoint_every=7, checkpoint_url=url)
+        meta = read_checkpoint_meta(url)
+        done = meta["fit_progress"]["done"]
+        assert meta["iteration"] == 40 + len(done) and meta["fit_progress"]["epoch"] == 2, writer
+        assert len(meta["worker_rngs"]) == 2 and len(meta["threshold_states"]["states"]) == 2, writer
+        saved_steps = max(st[2] for st in meta["threshold_states"]["states"])
+        resumed = make_net()
+        trainer = trainers[reader](resumed)
+        trainer.fit(data, epochs=3, resume_from=url)
+        assert (resumed.iteration, resumed.epoch) == (60, 3), (writer, reader)
+        assert sum(s["minibatches"] for s in trainer.last_fit_stats) == 20 - len(done), (writer, reader)
+        assert trainer.threshold_state.steps > saved_steps, (writer, reader)  # the thresholds went on

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import config
 from .._netcache import cached_network
-from ..checkpoint import state_from_bytes, state_to_bytes
+from ..checkpoint import fit_checkpoint_bytes, state_from_bytes, state_to_bytes
 from ..data import load_ref
 from ..errors import CorruptMinibatchError
 from ..io import write_bytes
@@ -158,10 +158,9 @@ class WorkerRun:
 
     async def order_checkpoint(self, order: CheckpointOrder):
         def write():
-            st = self.state.replace(step=jnp.asarray(order.step, jnp.int32), epoch=jnp.asarray(order.epoch, jnp.int32))
-            extra = {"iteration": order.step, "epoch": order.epoch, "seed": self.net.seed,
-                     "fit_progress": order.progress, "worker_rngs": list(order.worker_rngs), **order.meta}
-            raw = state_to_bytes(st, extra, self.net.definition(), aux=self.checkpoint_arrays())
+            raw = fit_checkpoint_bytes(self.state, self.net, step=order.step, epoch=order.epoch,
+                                       progress=order.progress, worker_rngs=order.worker_rngs, meta=order.meta,
+                                       aux=self.checkpoint_arrays())
             write_bytes(order.url, raw, **(self.spec.checkpoint_options or {}))
             self.stats.mark("checkpoint", bytes=len(raw))
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from ...distributed._machine import RoundDone
 from ...distributed._messages import FitOrder
 from .._base import RoundDriver
 from ._messages import HaveOrder, NextRoundOrder, ShareWith, SyncOrder
+from ._thresholds import threshold_meta
 from ._topology import tree_links
 
 __all__ = ["SharingDriver", "sync_plan"]
@@ -109,8 +108,5 @@ class SharingDriver(RoundDriver):
         return {"threshold_states": [self.thresholds[w] for w in workers if w in self.thresholds]}
 
     def checkpoint_meta(self, workers):
-        # the thresholds reached, with the algorithm that reached them (JSON has no NaN: a
-        # worker that has not stepped yet has no last sparsity)
-        return {"threshold_states": {"algorithm": repr(self.master.threshold_algorithm),
-                                     "states": [[x if np.isfinite(x) else None for x in self.thresholds[w]]
-                                                for w in workers if w in self.thresholds]}}
+        return {"threshold_states": threshold_meta(self.master.threshold_algorithm,
+                                                   [self.thresholds[w] for w in workers if w in self.thresholds])}

@@ -32,6 +32,14 @@ class ThresholdState(NamedTuple):
     steps: int = 0
 
 
+def threshold_meta(algorithm, states) -> dict:
+    """A checkpoint's record of the thresholds reached, with the algorithm that reached them
+    (``GradientSharing.resume_state`` reads it back; JSON has no NaN: a replica that has not
+    stepped yet has no last sparsity)."""
+    return {"algorithm": repr(algorithm),
+            "states": [[x if np.isfinite(x) else None for x in st] for st in states]}
+
+
 def _check_threshold(name, value):
     if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive number, got {value!r}")
