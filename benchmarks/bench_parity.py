@@ -122,9 +122,9 @@ class Task:
 
 
 TASKS = {
-    "image": Task("image", image_data, lambda: _mlp(128)(n_out=10), 12, 3e-3),
+    "image": Task("image", image_data, lambda: _mlp(128)(n_out=10), 30, 3e-3),
     "tabular": Task("tabular", tabular_data, lambda: _mlp(64)(n_out=12), 4, 3e-3),
-    "sequence": Task("sequence", sequence_data, lambda: _lstm_classifier(32, 4), 6, 3e-3),
+    "sequence": Task("sequence", sequence_data, lambda: _lstm_classifier(32, 4), 15, 3e-3),
 }
 
 
