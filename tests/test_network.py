@@ -174,8 +174,8 @@ def test_train_step_is_compiled_once(make_net, digits):
     net.fit(tr[:640], batch_size=64)
     # local fit runs the bare step under either policy; train_step only replays a window
     # that held a non-finite step
-    assert net.steps.bare_step._cache_size() == 1
-    assert net.steps.train_step._cache_size() == 0
+    assert net.steps.bare_step._cache_size() == 1 and net.steps.first_step._cache_size() == 1
+    assert net.steps.train_step._cache_size() == 0 and net.steps.copy_state._cache_size() == 0
     skipper = make_net(on_nonfinite="skip")
     skipper.fit(tr[:640], batch_size=64)
     skipper.fit(tr[:640], batch_size=64)
@@ -242,6 +242,36 @@ def test_skip_mid_window_replays_the_window_and_leaves_out_only_the_bad_step(mak
                                rtol=1e-5)
     for x, y in zip(jax.tree_util.tree_leaves(skipper.state.params), jax.tree_util.tree_leaves(ref.state.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_a_non_finite_step_in_a_later_window_is_replayed_from_that_window_s_start(make_net, digits):
+    # A window is replayed from the state its first step was given (that step does not donate
+    # it): past the first window, that state must be the one the window began with.
+    from dlspark.network import _SYNC_EVERY
+
+    tr, _ = digits
+    good = tr[:8 * (_SYNC_EVERY + 40)].batches(8)
+    at = _SYNC_EVERY + 20  # in the second window
+    bad = good[at].features.copy()
+    bad[0, 0] = np.nan
+    batches = good[:at] + [DataSet(bad, good[at].labels)] + good[at:]
+    skipper = make_net(on_nonfinite="skip")
+    skipper.fit(batches)
+    ref = make_net()
+    ref.fit(good)
+    assert skipper.iteration == len(good) == len(skipper.score_history)
+    for x, y in zip(jax.tree_util.tree_leaves(skipper.state.params), jax.tree_util.tree_leaves(ref.state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    raiser = make_net()
+    with pytest.raises(NonFiniteLossError, match=f"iteration {at}"):
+        raiser.fit(batches)
+    upto = make_net()
+    upto.fit(good[:at])
+    assert raiser.iteration == at == len(raiser.score_history)
+    for x, y in zip(jax.tree_util.tree_leaves(raiser.state.params), jax.tree_util.tree_leaves(upto.state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    # each window's first step keeps its input alive (no program copies the state)
+    assert skipper.steps.first_step._cache_size() == 1 and skipper.steps.copy_state._cache_size() == 1
 
 
 def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_time(make_net, digits):
