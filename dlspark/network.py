@@ -56,14 +56,12 @@ class Steps(NamedTuple):
     minibatches stacked on a leading axis, in one compiled call (``lax.scan``).
     ``bare_step(state, batch) -> (state, loss)`` is the step with no check: it
     applies the update whatever it holds. A loop checks a window of bare steps at
-    once with ``window_end(state, losses, epochs) -> (state, finite, stacked
-    losses)``, which also adds ``epochs`` to the epoch counter: ``finite`` is false
-    when a parameter is not finite (one that a non-finite update reached stays so).
-    A window's first step is ``first_step``, the bare step that does not donate
-    its input: that state stays alive as the one the window is replayed from, with
-    ``train_step``, when a loss or ``finite`` says a step was not finite, and no
-    program copies it. ``copy_state(state)`` copies the state (the other steps
-    donate theirs).
+    once with ``window_end(state, losses, epochs) -> (state, copy of state, finite,
+    stacked losses)``, which also adds ``epochs`` to the epoch counter: ``finite``
+    is false when a parameter is not finite (one that a non-finite update reached
+    stays so), and the copy is where the next window can be replayed from, with
+    ``train_step``, when a loss or ``finite`` says a step was not finite.
+    ``copy_state(state)`` copies the state (the steps donate theirs).
     """
 
     train_step: Callable
@@ -75,7 +73,6 @@ class Steps(NamedTuple):
     guarded_step: Callable
     train_steps: Callable
     bare_step: Callable
-    first_step: Callable
     window_end: Callable
     copy_state: Callable
 
@@ -170,7 +167,7 @@ def build_steps(model, loss, updater) -> Steps:
         state = state.replace(epoch=state.epoch + epochs)
         leaves = [x for x in jax.tree_util.tree_leaves(state.params) if jnp.issubdtype(x.dtype, jnp.inexact)]
         finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
-        return state, finite, jnp.stack(losses)
+        return state, copy_state(state), finite, jnp.stack(losses)
 
     def train_steps(state, batches):
         def body(st, batch):
@@ -210,7 +207,6 @@ def build_steps(model, loss, updater) -> Steps:
         guarded_step=jax.jit(guarded_step, donate_argnums=(0,)),
         train_steps=jax.jit(train_steps, donate_argnums=(0,)),
         bare_step=jax.jit(bare_step, donate_argnums=(0,)),
-        first_step=jax.jit(bare_step),
         window_end=jax.jit(window_end, donate_argnums=(0,)),
         copy_state=jax.jit(copy_state),
     )
@@ -404,7 +400,7 @@ class Network:
             from tqdm.auto import tqdm
             bar = tqdm(total=epochs * len(batches) if hasattr(batches, "__len__") else None, unit="batch")
         window: list = []  # (minibatch, loss on the device) of the steps since the last check
-        start, first = None, int(self.state.step)  # the state before the window's first step, its iteration
+        start, first = self._window_start(), int(self.state.step)  # a copy of the window's first state
         try:
             for _ in range(epochs):
                 order = list(batches) if hasattr(batches, "__len__") else batches
@@ -415,22 +411,28 @@ class Network:
                     batch = self._device_batch(load_minibatch(mb) if are_urls else mb)
                     # No host sync per step: steps queue up on the device while Python prepares
                     # the next ones, and are checked and read back every _SYNC_EVERY steps.
-                    if not window:  # the window's first step keeps its input to replay from
-                        start = self.state
-                        self.state, loss = self.steps.first_step(start, batch)
-                    else:
-                        self.state, loss = self.steps.bare_step(self.state, batch)
+                    self.state, loss = self.steps.bare_step(self.state, batch)
                     window.append((batch, loss))
                     if len(window) == _SYNC_EVERY:
-                        first = self._settle(window, start, first, bar, epochs=0)
+                        first, start = self._settle(window, start, first, bar, epochs=0)
                 if window:
-                    first = self._settle(window, start, first, bar, epochs=1)
-                else:  # its own array: the state's are donated to the next step
+                    first, start = self._settle(window, start, first, bar, epochs=1)
+                else:  # each its own array: the state's are donated to the next step
                     self.state = self.state.replace(epoch=self.state.epoch + 1)
+                    start = start.replace(epoch=start.epoch + 1)
+            self._start = (self.state, start)
         finally:
             if bar is not None:
                 bar.close()
         return self
+
+    def _window_start(self):
+        """A copy of the state, to replay a window from: the one the last fit left when the
+        state is still the one it ended with."""
+        kept = self.__dict__.pop("_start", None)
+        if kept is not None and kept[0] is self.state:
+            return kept[1]
+        return self.steps.copy_state(self.state)
 
     def _device_batch(self, ds):
         batch = as_dataset(ds).jit_batch()
@@ -443,18 +445,19 @@ class Network:
         """Check and read back the bare steps of ``window`` (one transfer) and record their losses.
 
         When a loss, or the parameters at the window's end, are not finite, the window is
-        replayed from ``start`` (the state before it, which its first step did not donate;
-        the steps are deterministic) under the non-finite policy: "raise" redoes the steps
-        before the first bad one and raises, leaving the parameters from before it; "skip"
-        redoes the window with ``train_step``, which leaves the state unchanged by a bad
-        step. Adds ``epochs`` to the epoch counter and empties ``window``; returns the
-        iteration of the next step.
+        replayed from ``start`` (the state before it; the steps are deterministic) under
+        the non-finite policy: "raise" redoes the steps before the first bad one and
+        raises, leaving the parameters from before it; "skip" redoes the window with
+        ``train_step``, which leaves the state unchanged by a bad step. Adds ``epochs``
+        to the epoch counter and empties ``window``; returns the iteration of the next
+        step and the next window's start.
         """
         batches, losses = zip(*window)
         n = len(window)
         window.clear()
         # always _SYNC_EVERY losses (the last repeated), so that one program serves every window
-        self.state, ok, losses = self.steps.window_end(self.state, losses + losses[-1:] * (_SYNC_EVERY - n), epochs)
+        self.state, following, ok, losses = self.steps.window_end(
+            self.state, losses + losses[-1:] * (_SYNC_EVERY - n), epochs)
         losses, ok = jax.device_get((losses, ok))
         losses = losses[:n]
         oks = np.isfinite(losses)
@@ -473,10 +476,11 @@ class Network:
                 self._record(range(first, first + bad), losses[:bad], bar)
                 self.nonfinite(first + bad, float(losses[bad]))
             self.state = self.state.replace(epoch=self.state.epoch + epochs)
+            following = self.steps.copy_state(self.state)
         self._record([first + i for i in range(n) if oks[i]], losses[oks], bar)
         if bar is not None:
             bar.update(n)
-        return first + n
+        return first + n, following
 
     def _record(self, iterations, losses, bar):
         self.score_history.extend((i, float(x)) for i, x in zip(iterations, losses))
