@@ -245,6 +245,10 @@ def run_grid(tasks, seeds, workers, runs, out, extra_runs=None):
 
     specs = {**RUNS, **OUTER_RUNS, **(extra_runs or {})}
     results = _load(out)
+    for r in results:  # results at another budget would be paired with these: refuse
+        if r["task"] in tasks and r.get("epochs", TASKS[r["task"]].epochs) != TASKS[r["task"]].epochs:
+            raise SystemExit(f"{out} holds {r['task']} results at {r['epochs']} epochs, and this run trains "
+                             f"{TASKS[r['task']].epochs}: give another --out, or --epochs {r['task']}={r['epochs']}")
     done = {(r["task"], r["run"], r["workers"], r["seed"]) for r in results}
     data = {t: TASKS[t].data() for t in tasks}
 

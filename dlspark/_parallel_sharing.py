@@ -242,7 +242,7 @@ class _Replicas:
             sparsities.append(self._advance(i, t, counts[i]))
         return [by_device[d] for d in self.devices], sent, list(ts.values()), sparsities
 
-    def write_checkpoint(self, url, step, epoch, progress):
+    def write_checkpoint(self, url, step, epoch, progress, storage_options=None):
         """What the cluster's first worker writes: replica 0's state, every replica's RNG and
         the thresholds reached. Residuals are not kept (the cluster's checkpoints do not keep
         them either, nor do DL4J's): a resumed fit starts with empty residuals, so its first
@@ -251,11 +251,12 @@ class _Replicas:
         rngs = [np.asarray(s.rng).tolist() for s in self.states]
         meta = {"threshold_states": threshold_meta(self.algo, self.tstates)}
         write_bytes(url, fit_checkpoint_bytes(jax.device_get(self.states[0]), self.net, step=step, epoch=epoch,
-                                              progress=progress, worker_rngs=rngs, meta=meta))
+                                              progress=progress, worker_rngs=rngs, meta=meta),
+                    **(storage_options or {}))
 
 
 def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, encoder, *, resumed=None,
-                checkpoint_every=None, checkpoint_url=None):
+                checkpoint_every=None, checkpoint_url=None, checkpoint_options=None):
     """Fit ``refs`` for ``epochs`` with gradient sharing over ``wrapper``'s devices; returns the
     rounds' statistics (``steps_per_round`` steps per device make a round).
 
@@ -294,7 +295,8 @@ def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, 
                     over = len(done) == len(refs)  # the epoch's last round: the checkpoint is at the next's start
                     progress = {"epoch": epochs_done + epoch + over, "done": [] if over else sorted(done),
                                 "epochs_total": epochs_total}
-                    reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + epoch + over, progress)
+                    reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + epoch + over, progress,
+                                         checkpoint_options)
 
             n = len(reps.devices)
             for j, batches in enumerate(steps):

@@ -20,7 +20,8 @@ __all__ = ["Network", "TrainState", "Steps", "build_steps"]
 
 _ON_NONFINITE = ("raise", "skip")
 #: local fit reads losses back (one host sync) every this many steps: each sync costs
-#: about as much as ten small steps on one core (benchmarks/bench_fit_overhead.py)
+#: about as much as ten small steps on one core (benchmarks/bench_fit_overhead.py). The
+#: window's minibatches stay referenced until it is checked (to replay it from its start).
 _SYNC_EVERY = 128
 
 

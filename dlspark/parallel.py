@@ -212,7 +212,8 @@ class ParallelWrapper:
 
     # -- training --------------------------------------------------------------------
     def fit(self, data, epochs: int = 1, *, checkpoint_every: int | None = None, checkpoint_url: str | None = None,
-            resume_from: str | None = None, callbacks=(), progress: bool | None = None) -> Network:
+            resume_from: str | None = None, storage_options: dict | None = None, callbacks=(),
+            progress: bool | None = None) -> Network:
         """Train on ``data``: a DataSet, a ``(features, labels)`` pair, a list of DataSets,
         minibatch file URLs, a pair of dask arrays or a dask bag of DataSets.
 
@@ -224,6 +225,8 @@ class ParallelWrapper:
             cluster's format: either trainer resumes from it).
         resume_from : str, optional
             A checkpoint written by a fit (of either trainer) with the same data and ``epochs``.
+        storage_options : dict, optional
+            fsspec options (credentials, endpoints) for ``checkpoint_url`` and ``resume_from``.
         callbacks : sequence of callables
             Each is called with every round's statistics (a dict).
 
@@ -235,14 +238,15 @@ class ParallelWrapper:
         self._check(epochs, checkpoint_every, checkpoint_url)
         refs, partitions = _minibatches(data, self.master.batch_size_per_worker)
         return self._run(refs, partitions, epochs, None, None, checkpoint_every, checkpoint_url, resume_from,
-                         callbacks, progress)
+                         callbacks, progress, checkpoint_options=storage_options)
 
     def fit_paths(self, paths, epochs: int = 1, loader=None, *, storage_options: dict | None = None,
                   checkpoint_every: int | None = None, checkpoint_url: str | None = None,
                   resume_from: str | None = None, callbacks=(), progress: bool | None = None) -> Network:
         """Train from minibatch files: a glob, a directory URL or a list of URLs (any fsspec file
         system, ``memory://`` included: this process reads them); ``loader`` is ``url -> DataSet``
-        for files in another format."""
+        for files in another format. ``storage_options`` (fsspec options: credentials, endpoints)
+        serve the files, ``checkpoint_url`` and ``resume_from``."""
         self._check(epochs, checkpoint_every, checkpoint_url)
         if loader is not None and not callable(loader):
             raise TypeError(f"loader must be a callable url -> DataSet, got {type(loader).__name__}")
@@ -290,14 +294,17 @@ class ParallelWrapper:
         return jax.tree_util.tree_map(lambda x: np.asarray(_by_device(x)[self.devices[r]])[0], tree)
 
     def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
-             resume_from, callbacks, progress):
+             resume_from, callbacks, progress, checkpoint_options=None):
         net, master = self.network, self.master
+        # checkpoints and resumes take the data's fsspec options, as on a cluster
+        self._checkpoint_options = dict(storage_options or checkpoint_options or {})
         if isinstance(master, GradientSharing):
             return self._run_sharing(refs, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
                                      resume_from, callbacks, progress)
         skip, saved_rngs, epochs_done, epochs_total = (), None, 0, epochs
         if resume_from is not None:  # the cluster's resume: the same checks, meta and state
-            epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(self, resume_from, epochs)
+            epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(
+                self, resume_from, epochs, self._checkpoint_options)
             if epochs <= 0:
                 return net
         base_step, base_epoch = net.iteration, net.epoch
@@ -373,7 +380,8 @@ class ParallelWrapper:
         resumed = None
         if resume_from is not None:  # the cluster's resume: the same checks, meta and thresholds
             total = epochs
-            epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(self, resume_from, epochs)
+            epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(
+                self, resume_from, epochs, self._checkpoint_options)
             if epochs <= 0:
                 return self.network
             resumed = (skip, saved_rngs, epochs_done, total)
@@ -381,7 +389,8 @@ class ParallelWrapper:
                             epochs * len(refs) - len(resumed[0] if resumed else ()))
         try:
             stats = run_sharing(self, refs, epochs, loader, storage_options, callbacks, bar, self.sharing_encoder,
-                                resumed=resumed, checkpoint_every=checkpoint_every, checkpoint_url=checkpoint_url)
+                                resumed=resumed, checkpoint_every=checkpoint_every, checkpoint_url=checkpoint_url,
+                                checkpoint_options=self._checkpoint_options)
         finally:
             if bar is not None:
                 bar.close()
@@ -463,7 +472,8 @@ class ParallelWrapper:
         rngs = [np.asarray(x).tolist() for x in np.asarray(state.rng)]
         aux = None if self.master.outer_updater is None else self._replica(outer)
         write_bytes(url, fit_checkpoint_bytes(self._replica(state), self.network, step=step, epoch=epoch,
-                                              progress=progress, worker_rngs=rngs, aux=aux))
+                                              progress=progress, worker_rngs=rngs, aux=aux),
+                    **self._checkpoint_options)
 
     # -- evaluation, inference, scoring (in this process, on the network's device) --------
     def _refs(self, data, batch_size, storage_options):

@@ -11,11 +11,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # (Dask workers, subprocesses, SLURM jobs inherit the variables): the suite starts dozens of
 # clusters whose workers compile the same small networks again and again. Measured on
 # tests/test_sharing.py and tests/test_worker_rounds.py on 2 cores: 121 s without, 73 s with
-# (the cache starting empty, as in CI).
-_CACHE = tempfile.mkdtemp(prefix="dlspark-tests-jax-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# (the cache starting empty, as in CI). Made only by the process that starts the run (spawned
+# workers import this module too, and inherit the variables). A size limit turns on JAX's
+# file lock around every read and write of an entry (needs filelock): without it, a process
+# can read an entry another is still writing.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="dlspark-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
 
 import jax  # noqa: E402
 

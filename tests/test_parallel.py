@@ -9,6 +9,7 @@ parameters (dropout included), and a checkpoint of either resumes in the other.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -281,10 +282,19 @@ def test_gradient_sharing_checkpoints_the_state_it_reached_and_resumes_the_rest(
     saved = make_net(MLP(dropout=0.3)).restore(url)
     _close(saved.state.params, prefix.state.params, rtol=0, atol=0)
     _close(saved.state.opt_state, prefix.state.opt_state, rtol=0, atol=0)
+    # every replica's RNG (dropout here) is saved: replica 0's is the prefix fit's, replica 1's its own
+    rngs = [np.asarray(r, np.uint32) for r in meta["worker_rngs"]]
+    np.testing.assert_array_equal(rngs[0], np.asarray(prefix.state.rng))
+    assert not np.array_equal(rngs[0], rngs[1])
     resumed = make_net(MLP(dropout=0.3))
     wrapper = ParallelWrapper(resumed, master, CPU2, progress=False)
     wrapper.fit(data, resume_from=url)  # the 8 minibatches left, from the thresholds reached
     assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (20, 1)
+    # replica 0 went on from its saved RNG: one split per step, 4 steps
+    key = jnp.asarray(rngs[0])
+    for _ in range(4):
+        key = jax.random.split(key)[0]
+    np.testing.assert_array_equal(np.asarray(resumed.state.rng), np.asarray(key))
     assert sum(s["minibatches"] for s in wrapper.last_fit_stats) == 8
     assert wrapper.threshold_state.steps == 6 + 4  # the thresholds went on from the checkpoint's
     # an epoch's last round: the checkpoint stands at the next epoch's start

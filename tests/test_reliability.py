@@ -127,6 +127,25 @@ def test_checkpoints_and_resume_on_an_object_store_take_storage_options(client2,
     assert back.stats() == ev.stats() and back.accuracy() == pytest.approx(accuracy(resumed, te))
 
 
+@pytest.mark.parametrize("master", [ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2),
+                                    GradientSharing(batch_size_per_worker=32, steps_per_round=2)],
+                         ids=["averaging", "sharing"])
+def test_parallel_wrapper_checkpoints_and_resumes_on_an_object_store(make_net, digits, s3, master):
+    # ParallelWrapper's checkpoints and resumes take the fit's storage_options as the cluster's do:
+    # without them s3fs would go to AWS, unreachable here.
+    from dlspark import ParallelWrapper
+
+    tr, _ = digits
+    url = f"s3://rel/pw-{type(master).__name__}/net.dls"
+    ParallelWrapper(make_net(), master, devices=2, progress=False).fit(
+        tr[:256], epochs=2, checkpoint_every=3, checkpoint_url=url, storage_options=s3)
+    assert dlspark.Network.load(url, **s3).iteration == 12  # 3 rounds of 2 steps on 2 devices
+    resumed = make_net()
+    ParallelWrapper(resumed, master, devices=2, progress=False).fit(tr[:256], epochs=2, resume_from=url,
+                                                                     storage_options=s3)
+    assert (resumed.iteration, resumed.epoch) == (16, 2)
+
+
 # -- 5 and 11: masks through keyed inference from a bag; duplicate keys; a masked network trained --
 def test_masked_sequences_train_distributed_and_bags_keep_masks_and_refuse_duplicate_keys(client2):
     import dask.bag as db
