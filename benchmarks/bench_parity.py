@@ -17,7 +17,7 @@ The figure per run is test accuracy after the same number of epochs; the summary
 mean paired difference from the single process and its standard error, and for
 gradient sharing the bytes it sent over the whole fit against dense fp32 messages.
 
-Run ``python benchmarks/bench_parity.py --seeds 5 --workers 2 4`` (``--help`` for the
+Run ``python benchmarks/bench_parity.py --seeds 10 --workers 2 4`` (``--help`` for the
 options); every result is appended to the JSON file (``--out``) as it comes, so a
 partial run still counts, and a run given the same file skips what is in it.
 """
@@ -290,7 +290,7 @@ def run_grid(tasks, seeds, workers, runs, out, extra_runs=None):
 class TrackParity:
     """asv: accuracy minus the single process's (points, mean over paired seeds) and, for
     gradient sharing, dense fp32 bytes over bytes sent, on two workers. Three seeds keep
-    the suite to minutes; the script's acceptance runs use five and four workers too."""
+    the suite to minutes; the script's acceptance runs use ten and four workers too."""
 
     params = (list(TASKS), list(RUNS))
     param_names = ["task", "run"]
