@@ -298,7 +298,6 @@ def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, 
                     reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + epoch + over, progress,
                                          checkpoint_options)
 
-            n = len(reps.devices)
             for j, batches in enumerate(steps):
                 t0 = time.perf_counter()
                 losses, examples, sent, ts, sp = reps.step(batches, on_bad)
@@ -311,7 +310,7 @@ def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, 
                 row["thresholds"] += ts
                 row["sparsities"] += sp
                 trained += len(losses)
-                done.update(order[j * n:(j + 1) * n])  # a skipped non-finite minibatch counts as done
+                done.update(order[j * n_dev:(j + 1) * n_dev])  # a skipped non-finite minibatch counts as done
                 if (j + 1) % master.steps_per_round == 0 or len(done) == len(refs):
                     end_round()
                     row, t_round = _new_row(), time.perf_counter()

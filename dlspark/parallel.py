@@ -226,7 +226,8 @@ class ParallelWrapper:
         resume_from : str, optional
             A checkpoint written by a fit (of either trainer) with the same data and ``epochs``.
         storage_options : dict, optional
-            fsspec options (credentials, endpoints) for ``checkpoint_url`` and ``resume_from``.
+            fsspec options (credentials, endpoints) for minibatch URLs in ``data``,
+            ``checkpoint_url`` and ``resume_from``.
         callbacks : sequence of callables
             Each is called with every round's statistics (a dict).
 
@@ -237,8 +238,8 @@ class ParallelWrapper:
         """
         self._check(epochs, checkpoint_every, checkpoint_url)
         refs, partitions = _minibatches(data, self.master.batch_size_per_worker)
-        return self._run(refs, partitions, epochs, None, None, checkpoint_every, checkpoint_url, resume_from,
-                         callbacks, progress, checkpoint_options=storage_options)
+        return self._run(refs, partitions, epochs, None, storage_options, checkpoint_every, checkpoint_url,
+                         resume_from, callbacks, progress)
 
     def fit_paths(self, paths, epochs: int = 1, loader=None, *, storage_options: dict | None = None,
                   checkpoint_every: int | None = None, checkpoint_url: str | None = None,
@@ -294,10 +295,10 @@ class ParallelWrapper:
         return jax.tree_util.tree_map(lambda x: np.asarray(_by_device(x)[self.devices[r]])[0], tree)
 
     def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
-             resume_from, callbacks, progress, checkpoint_options=None):
+             resume_from, callbacks, progress):
         net, master = self.network, self.master
         # checkpoints and resumes take the data's fsspec options, as on a cluster
-        self._checkpoint_options = dict(storage_options or checkpoint_options or {})
+        self._checkpoint_options = dict(storage_options or {})
         if isinstance(master, GradientSharing):
             return self._run_sharing(refs, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
                                      resume_from, callbacks, progress)
