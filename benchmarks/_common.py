@@ -67,21 +67,26 @@ def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60):
 
 
 def _step_loop(kind, batch_size, steps):
-    """``(steps/s, process CPU time per wall time)`` of the plain jitted step, run where this is
+    """``(steps/s, process CPU time per wall time)`` of the plain step (the field's own:
+    ``plain_optax_step``, the same model and updater as ``make_network``), run where this is
     called: in a fresh pinned process (the baseline) or in a worker (the bound below)."""
     import time
 
     import jax
 
-    net = make_network(kind)
-    batch = jax.tree_util.tree_map(jax.numpy.asarray, make_data(batch_size, kind).jit_batch())
-    st = net.state
+    module, _ = NETWORKS[kind]
+    model, ds = module(), make_data(batch_size, kind)
+    x, y = np.asarray(ds.features), np.asarray(ds.labels)
+    tx = make_network(kind).updater
+    step = plain_optax_step(model, tx)
+    params = model.init(jax.random.PRNGKey(0), x[:1])
+    opt = tx.init(params)
     for _ in range(5):
-        st, loss, _ = net.steps.train_step(st, batch)
+        params, opt, loss = step(params, opt, x, y)
     loss.block_until_ready()
     c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(steps):
-        st, loss, _ = net.steps.train_step(st, batch)
+        params, opt, loss = step(params, opt, x, y)
     loss.block_until_ready()
     wall = time.perf_counter() - t0
     return steps / wall, (time.process_time() - c0) / wall

@@ -49,19 +49,20 @@ class Steps(NamedTuple):
     split one training step so that a distributed master can act between
     them; ``train_step(state, batch) -> (state, loss, applied)`` is both in
     one program and leaves the state unchanged (``applied`` false) when the
-    loss or update is not finite. ``guarded_step(state, batch, halted) ->
-    (state, loss, applied, halted)`` is ``train_step`` that changes nothing
-    once a step was not finite, so that many steps run without waiting on
-    the host and still stop where the first bad one was. ``train_steps(state,
-    batches) -> (state, (losses, applied))`` runs ``train_step`` over
-    minibatches stacked on a leading axis, in one compiled call (``lax.scan``).
-    ``bare_step(state, batch) -> (state, loss)`` is the step with no check: it
-    applies the update whatever it holds. A loop checks a window of bare steps at
-    once with ``window_end(state, losses, epochs) -> (state, copy of state, finite,
-    stacked losses)``, which also adds ``epochs`` to the epoch counter: ``finite``
-    is false when a parameter is not finite (one that a non-finite update reached
-    stays so), and the copy is where the next window can be replayed from, with
-    ``train_step``, when a loss or ``finite`` says a step was not finite.
+    loss or update is not finite. ``train_steps(state, batches) -> (state,
+    (losses, applied))`` runs ``train_step`` over minibatches stacked on a
+    leading axis, in one compiled call (``lax.scan``). ``bare_step(state,
+    batch) -> (state, loss)`` is the step with no check: it applies the update
+    whatever it holds (``train_step``'s check is a select over the whole state,
+    which on a large network costs a good part of a step), and ``bare_steps``
+    is it over stacked minibatches. A loop checks many bare steps at once:
+    ``all_finite(state)`` is false when a parameter is not finite (one that a
+    non-finite update reached stays so), and together with the steps' losses it
+    says whether to replay them, with ``train_step``, from a copy of the state
+    they started from. ``window_end(state, losses, epochs) -> (state, copy of
+    state, finite, stacked losses)`` is that check for ``Network.fit``'s
+    windows; it also adds ``epochs`` to the epoch counter and copies the state
+    for the next window.
     ``copy_state(state)`` copies the state (the steps donate theirs).
     """
 
@@ -71,9 +72,10 @@ class Steps(NamedTuple):
     output: Callable
     loss_sum: Callable
     per_example_loss: Callable
-    guarded_step: Callable
     train_steps: Callable
     bare_step: Callable
+    bare_steps: Callable
+    all_finite: Callable
     window_end: Callable
     copy_state: Callable
 
@@ -148,11 +150,6 @@ def build_steps(model, loss, updater) -> Steps:
         kept = state.replace(rng=rng)
         return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, kept), value, ok
 
-    def guarded_step(state, batch, halted):
-        new, value, ok = train_step(state, batch)
-        out = jax.tree_util.tree_map(lambda a, b: jnp.where(halted, b, a), new, state)
-        return out, value, ok & ~halted, halted | ~ok
-
     def finite(value, updates):
         leaves = jax.tree_util.tree_leaves(updates)
         return jnp.isfinite(value) & jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in leaves]))
@@ -166,9 +163,7 @@ def build_steps(model, loss, updater) -> Steps:
 
     def window_end(state, losses, epochs):
         state = state.replace(epoch=state.epoch + epochs)
-        leaves = [x for x in jax.tree_util.tree_leaves(state.params) if jnp.issubdtype(x.dtype, jnp.inexact)]
-        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
-        return state, copy_state(state), finite, jnp.stack(losses)
+        return state, copy_state(state), all_finite(state), jnp.stack(losses)
 
     def train_steps(state, batches):
         def body(st, batch):
@@ -177,6 +172,13 @@ def build_steps(model, loss, updater) -> Steps:
 
         # unrolled: XLA's CPU backend runs a rolled loop of convolutions many times slower
         return jax.lax.scan(body, state, batches, unroll=True)
+
+    def bare_steps(state, batches):
+        return jax.lax.scan(bare_step, state, batches, unroll=True)
+
+    def all_finite(state):
+        leaves = [x for x in jax.tree_util.tree_leaves(state.params) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
 
     def output(state, x, fmask):
         return model.apply_eval(state.params, state.model_state, x, fmask)
@@ -205,9 +207,10 @@ def build_steps(model, loss, updater) -> Steps:
         output=jax.jit(output),
         loss_sum=jax.jit(loss_sum),
         per_example_loss=jax.jit(per_example_loss),
-        guarded_step=jax.jit(guarded_step, donate_argnums=(0,)),
         train_steps=jax.jit(train_steps, donate_argnums=(0,)),
         bare_step=jax.jit(bare_step, donate_argnums=(0,)),
+        bare_steps=jax.jit(bare_steps, donate_argnums=(0,)),
+        all_finite=jax.jit(all_finite),
         window_end=jax.jit(window_end, donate_argnums=(0,)),
         copy_state=jax.jit(copy_state),
     )

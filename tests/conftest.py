@@ -23,6 +23,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 # Several CPU devices in the test process, as equinox's conftest gives it, so that multi-device
 # code (ParallelWrapper) is tested on any machine. JAX's setting, not XLA_FLAGS: the spawned Dask
@@ -34,6 +35,15 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import dlspark  # noqa: E402
+
+
+class FiniteOutputs(nn.Module):
+    """A model whose outputs hide a non-finite input: the loss stays finite, the gradient does not."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(10)(x)
+        return jnp.where(jnp.isfinite(h), h, 0.0)
 
 
 class MLP(nn.Module):

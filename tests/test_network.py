@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, BNNet, accuracy, tree_equal
+from conftest import MLP, BNNet, FiniteOutputs, accuracy, tree_equal
 
 import dlspark
 from dlspark import DataSet, Model, MultiDataSet, Network
@@ -200,15 +200,6 @@ def test_a_non_finite_step_mid_fit_stops_there_though_later_steps_were_already_q
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
-class _FiniteOutputs(nn.Module):
-    """A model whose outputs hide a non-finite input: the loss stays finite, the gradient does not."""
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.Dense(10)(x)
-        return jnp.where(jnp.isfinite(h), h, 0.0)
-
-
 def test_a_non_finite_update_behind_a_finite_loss_is_caught(make_net, digits):
     # Local fit checks a window's losses and the parameters at its end; an update that is not
     # finite while the loss is must still stop the fit at its step.
@@ -216,10 +207,10 @@ def test_a_non_finite_update_behind_a_finite_loss_is_caught(make_net, digits):
     bad = tr.features[:32].copy()
     bad[0, 0] = np.inf
     good = tr[:320].batches(32)
-    net = make_net(module=_FiniteOutputs())
+    net = make_net(module=FiniteOutputs())
     with pytest.raises(NonFiniteLossError, match="iteration 2"):
         net.fit(good[:2] + [DataSet(bad, tr.labels[:32])] + good[2:])
-    ref = make_net(module=_FiniteOutputs())
+    ref = make_net(module=FiniteOutputs())
     ref.fit(good[:2])
     assert net.iteration == 2 and len(net.score_history) == 2
     for x, y in zip(jax.tree_util.tree_leaves(net.state.params), jax.tree_util.tree_leaves(ref.state.params)):

@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, accuracy, kill_at_round, slow_loader
+from conftest import MLP, FiniteOutputs, accuracy, kill_at_round, slow_loader
 
 import dlspark
 from dlspark import DataSet, DistributedTrainer, ParameterAveraging
-from dlspark.errors import CorruptMinibatchError
+from dlspark.errors import CorruptMinibatchError, NonFiniteLossError
 
 pytestmark = pytest.mark.slow
 
@@ -27,32 +27,32 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
 
 
 def _simulate(make_net, batches, workers, freq, save_updater):
-    """Parameter averaging by hand, in one process: the oracle for the distributed run."""
+    """Parameter averaging by hand, in one process: the oracle for the distributed run
+    (worker 0's state; integer leaves, such as step counts, stay each worker's own)."""
     nets = [make_net() for _ in range(workers)]
     ref = nets[0]
-    start = ref.state
+    starts = [ref.state] * workers
     for r0 in range(0, len(batches), workers * freq):
         chunk = batches[r0:r0 + workers * freq]
         shares = np.array_split(np.arange(len(chunk)), workers)
         states = []
         for w, share in enumerate(shares):
-            if len(share) == 0:
-                continue
-            st = start
-            if not save_updater:
+            st = starts[w]
+            if len(share) and not save_updater:
                 st = st.replace(opt_state=ref.updater.init(st.params))
             for i in share:
                 st, _, _ = ref.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
                                                 jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch()))
-            states.append(st)
+            states.append((st, len(share) > 0))
+        fitted = [st for st, fit in states if fit]
 
-        def mean(*leaves):
-            if np.issubdtype(np.asarray(leaves[0]).dtype, np.floating):
+        def mean(own, *leaves):
+            if np.issubdtype(np.asarray(own).dtype, np.floating):
                 return sum(np.asarray(x, np.float32) for x in leaves) / len(leaves)
-            return leaves[0]
+            return own
 
-        start = jax.tree_util.tree_map(mean, *states)
-    return start
+        starts = [jax.tree_util.tree_map(mean, st, *fitted) for st, _ in states]
+    return starts[0]
 
 
 def test_config_validation_names_the_option():
@@ -104,6 +104,63 @@ def test_adam_updater_state_is_averaged_or_reset(client2, make_net, digits, save
     _close(net.state.opt_state, expected.opt_state, rtol=1e-4, atol=1e-6)
     count = int(jax.tree_util.tree_leaves(net.state.opt_state)[0])
     assert count == (3 if not save_updater else 9)
+
+
+def _with_bad_minibatches(tr, kind):
+    """18 minibatches (3 rounds of 2 workers x 3), two of them spoilt: one the third step of a
+    worker in the first round, one the first step of a worker in the last. ``kind``: their loss
+    is inf (features that overflow it), or their loss is finite but their update is not (an
+    inf feature behind :class:`FiniteOutputs`)."""
+    batches = tr[:576].batches(32)
+    for i in (2, 15):
+        x = batches[i].features.copy()
+        if kind == "inf loss":
+            x[:] = 1e38
+        else:
+            x[0, 0] = np.inf
+        batches[i] = DataSet(x, batches[i].labels)
+    return batches
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("kind", ["inf loss", "finite loss, non-finite update"])
+def test_a_worker_skips_a_non_finite_step_as_a_checked_step_would(client2, make_net, digits, kind, fused):
+    # Workers run a round's steps unchecked and check the round at its end; a round that held
+    # a non-finite step is replayed with the checked step. The result must be the checked
+    # steps' own: the bad steps left out, everything else applied and averaged.
+    tr, _ = digits
+    batches = _with_bad_minibatches(tr, kind)
+    module = MLP if kind == "inf loss" else FiniteOutputs
+
+    def make():
+        return make_net(module(), updater=optax.adam(1e-2), on_nonfinite="skip")
+
+    net = make()
+    master = ParameterAveraging(averaging_frequency=3, training_approach="direct", fused_steps=fused)
+    trainer = DistributedTrainer(client2, net, master, progress=False)
+    trainer.fit(batches)
+    expected = _simulate(make, batches, 2, 3, True)
+    _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
+    _close(net.state.opt_state, expected.opt_state, rtol=1e-4, atol=1e-6)
+    assert sum(s["minibatches"] for s in trainer.last_fit_stats) == 18
+    assert len(trainer.loss_history) == 3 and all(np.isfinite(loss) for _, _, loss in trainer.loss_history)
+
+
+def test_a_worker_raises_on_a_non_finite_update_naming_its_iteration(client2, make_net, digits):
+    # The round's end check finds a non-finite update that the losses do not show, and the
+    # replay names the step where it happened (each worker's third step is its iteration 2).
+    tr, _ = digits
+    batches = _with_bad_minibatches(tr, "finite loss, non-finite update")[:6]
+    x = batches[2].features.copy()
+    x[0, 0] = 1e38  # finite, so the data check lets it through, and the update overflows
+    batches[2] = DataSet(x, batches[2].labels)
+    net = make_net(FiniteOutputs(), updater=optax.sgd(1e30))
+    before = np.asarray(net.state.params["Dense_0"]["kernel"]).copy()
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(averaging_frequency=3), progress=False)
+    with pytest.raises(NonFiniteLossError, match="iteration 2"):
+        trainer.fit(batches)
+    np.testing.assert_array_equal(np.asarray(net.state.params["Dense_0"]["kernel"]), before)
+    trainer.fit(tr[:192])  # the cluster still trains
 
 
 def _digits_net(make_net):
