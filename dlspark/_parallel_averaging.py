@@ -148,9 +148,12 @@ def _mean_over_devices(state, contributes, n):
 
 def _round_function(net, master, mesh, fit: bool):
     """The compiled round: with ``fit``, every replica runs its stacked minibatches
-    (``Network.steps.train_steps``), then the replicas average and take
-    the outer step; without, the replicas (already fitted) only average."""
+    (``Network.steps.train_steps``, whose guard leaves a bad step out, under
+    ``on_nonfinite="skip"``; else ``checked_steps``, which only flags it: the fit
+    then raises and leaves the network as it was), then the replicas average and
+    take the outer step; without, the replicas (already fitted) only average."""
     steps, updater, tx = net.steps, net.updater, master.outer_updater
+    skips = net.on_nonfinite == "skip"  # else a bad step stops the fit: no need to undo it
 
     def local(state, outer, batches, start, epoch, contributes, n):
         # one device's view: every replicated argument has a leading axis of length 1
@@ -161,7 +164,7 @@ def _round_function(net, master, mesh, fit: bool):
             if not master.save_updater:
                 st = st.replace(opt_state=updater.init(st.params))
             st = st.replace(epoch=epoch)
-            st, (losses, oks) = steps.train_steps(st, _first(batches))
+            st, (losses, oks) = (steps.train_steps if skips else steps.checked_steps)(st, _first(batches))
         else:
             start = _first(start)
         # in a fitting call every replica has minibatches: all of them contribute
@@ -187,7 +190,8 @@ def _step_function(net, master, mesh, first: bool):
             if not master.save_updater:
                 st = st.replace(opt_state=net.updater.init(st.params))
             st = st.replace(epoch=epoch)
-        st, loss, ok = net.steps.train_step(st, _first(batch))
+        step = net.steps.train_step if net.on_nonfinite == "skip" else net.steps.checked_step
+        st, loss, ok = step(st, _first(batch))
         return _lead(st), loss[None], ok[None]
 
     spec = P(AXIS)

@@ -55,7 +55,11 @@ class Steps(NamedTuple):
     batch) -> (state, loss)`` is the step with no check: it applies the update
     whatever it holds (``train_step``'s check is a select over the whole state,
     which on a large network costs a good part of a step), and ``bare_steps``
-    is it over stacked minibatches. A loop checks many bare steps at once:
+    is it over stacked minibatches. ``checked_step(state, batch) -> (state,
+    loss, finite)`` is the bare step that also says whether its loss and update
+    were finite, for a caller that stops at the first bad step rather than skip
+    it (``checked_steps`` over stacked minibatches, as ``train_steps``). A loop
+    checks many bare steps at once:
     ``all_finite(state)`` is false when a parameter is not finite (one that a
     non-finite update reached stays so), and together with the steps' losses it
     says whether to replay them, with ``train_step``, from a copy of the state
@@ -75,6 +79,8 @@ class Steps(NamedTuple):
     train_steps: Callable
     bare_step: Callable
     bare_steps: Callable
+    checked_step: Callable
+    checked_steps: Callable
     all_finite: Callable
     window_end: Callable
     copy_state: Callable
@@ -176,6 +182,17 @@ def build_steps(model, loss, updater) -> Steps:
     def bare_steps(state, batches):
         return jax.lax.scan(bare_step, state, batches, unroll=True)
 
+    def checked_step(state, batch):
+        updates, opt, mstate, rng, value = compute_update(state, batch)
+        return apply_update(state, updates, opt, mstate, rng), value, finite(value, updates)
+
+    def checked_steps(state, batches):
+        def body(st, batch):
+            st, value, ok = checked_step(st, batch)
+            return st, (value, ok)
+
+        return jax.lax.scan(body, state, batches, unroll=True)
+
     def all_finite(state):
         leaves = [x for x in jax.tree_util.tree_leaves(state.params) if jnp.issubdtype(x.dtype, jnp.inexact)]
         return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
@@ -210,6 +227,8 @@ def build_steps(model, loss, updater) -> Steps:
         train_steps=jax.jit(train_steps, donate_argnums=(0,)),
         bare_step=jax.jit(bare_step, donate_argnums=(0,)),
         bare_steps=jax.jit(bare_steps, donate_argnums=(0,)),
+        checked_step=jax.jit(checked_step, donate_argnums=(0,)),
+        checked_steps=jax.jit(checked_steps, donate_argnums=(0,)),
         all_finite=jax.jit(all_finite),
         window_end=jax.jit(window_end, donate_argnums=(0,)),
         copy_state=jax.jit(copy_state),

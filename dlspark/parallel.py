@@ -456,8 +456,9 @@ class ParallelWrapper:
             st = st.replace(epoch=jax.device_put(epoch, dev))  # a host scalar: the step donates this copy
             # one step at a time: one compilation per device and shape serves every such round
             ls, ks = [], []
+            step = steps.train_step if net.on_nonfinite == "skip" else steps.checked_step
             for b in own:
-                st, x, ok = steps.train_step(st, b)
+                st, x, ok = step(st, b)
                 ls.append(x), ks.append(ok)
             parts.append(_lead(st))
             losses.append(ls), oks.append(ks)  # read back later: the next device starts meanwhile

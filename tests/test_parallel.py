@@ -181,16 +181,22 @@ def test_fit_paths_evaluation_keyed_inference_and_scoring(make_net, digits, tmp_
     assert wrapper.calculate_score(te[:10]) == pytest.approx(float(net.score_examples(te[:10]).mean()), rel=1e-5)
 
 
-@pytest.mark.parametrize("master", [ParameterAveraging(averaging_frequency=2),
-                                    GradientSharing(batch_size_per_worker=32)], ids=["averaging", "sharing"])
-def test_nonfinite_loss_raises_and_leaves_the_network_as_before_the_fit(make_net, digits, master):
+@pytest.mark.parametrize("master, n, row", [
+    (ParameterAveraging(averaging_frequency=2), 128, 100),
+    (ParameterAveraging(averaging_frequency=2, fused_steps=True), 128, 100),
+    (ParameterAveraging(averaging_frequency=2), 160, 140),  # in the epoch's last, irregular round
+    (GradientSharing(batch_size_per_worker=32), 128, 100)],
+    ids=["averaging", "averaging-fused", "averaging-irregular", "sharing"])
+def test_nonfinite_loss_raises_and_leaves_the_network_as_before_the_fit(make_net, digits, master, n, row):
+    # Under "raise" the averaging steps only flag a bad step (no select over the state to undo
+    # it): the fit must still stop there and leave the network as it was.
     tr, _ = digits
-    bad = tr[:128].features.copy()
-    bad[100] = np.nan
+    bad = tr[:n].features.copy()
+    bad[row] = np.nan
     net = make_net()
     before = jax.tree_util.tree_map(np.asarray, net.state.params)
     with pytest.raises(NonFiniteLossError):
-        ParallelWrapper(net, master, CPU2, progress=False).fit(DataSet(bad, tr[:128].labels))
+        ParallelWrapper(net, master, CPU2, progress=False).fit(DataSet(bad, tr[:n].labels))
     _close(net.state.params, before, rtol=0, atol=0)
 
 

@@ -260,6 +260,8 @@ def test_a_tls_cluster_trains_both_algorithms_evaluates_infers_and_refuses_plain
             trainer.fit(tr[:640], epochs=3)
             assert net.iteration == 3 * 20 and net.score(tr[:640]) < fell * s0, type(master).__name__
             assert accuracy(net, te) >= floor, type(master).__name__
+            if isinstance(master, ParameterAveraging):  # co-located, yet not through shared memory
+                assert all(s["bytes_shared"] == 0 < s["bytes_received"] for s in trainer.last_fit_stats)
         assert trainer.replica_divergence < 1e-5
         assert trainer.evaluate(te).accuracy() == pytest.approx(accuracy(net, te))
         keyed = {i: te.features[i] for i in range(20)}

@@ -53,4 +53,5 @@ class AveragingDriver(RoundDriver):
         a = self.averages.values()
         return {"avg_time": max((x.avg_time for x in a), default=0.0),
                 "fetch_time": max((x.fetch_time for x in a), default=0.0),
-                "bytes_received": sum(x.bytes_received for x in a)}
+                "bytes_received": sum(x.bytes_received for x in a),
+                "bytes_shared": sum(x.bytes_shared for x in a)}

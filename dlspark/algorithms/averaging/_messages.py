@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from ...distributed._messages import Order, Reply
 
-__all__ = ["AverageWith", "AverageOrder", "AverageReply", "Contribution", "Share"]
+__all__ = ["AverageWith", "AverageOrder", "AverageReply", "Contribution", "SharedContribution", "Share"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class AverageReply(Reply):
     fetch_time: float = 0.0
     bytes_received: int = 0
     contributors: tuple = ()
+    bytes_shared: int = 0  # of bytes_received, those read from a co-located peer's shared memory
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,13 @@ class Contribution(Reply):
     """A replica's leaves after its fit (or one share of their floating-point elements)."""
 
     leaves: list = ()
+
+
+@dataclass(frozen=True)
+class SharedContribution(Reply):
+    """A co-located replica's leaves after its fit, in its shared memory (``where``)."""
+
+    where: object = None
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from distributed.protocol import to_serialize
 
+from ...distributed import _shared
 from ...distributed._peers import call_peer
 from ...distributed._run import WorkerRun
 from ...distributed._messages import FitReply, Unavailable
-from ._messages import AverageOrder, AverageReply, Contribution, Share
+from ._messages import AverageOrder, AverageReply, Contribution, Share, SharedContribution
 from ._numerics import (assemble, average_on_device, average_share, is_averaged, outer_step, share_bounds,
                         share_pieces, take_share)
 
@@ -56,9 +57,19 @@ class AveragingRun(WorkerRun):
         self.outer_state = None if tx is None else (tx.init(self.state.params) if carried is None
                                                    else jax.tree_util.tree_map(jnp.asarray, carried))
         self.round_start: dict = {}  # round -> (parameters, outer state) when the round began
+        # Contributions cross to peers on this host through shared memory (see _shared);
+        # rounds take the two segments in turn, so that a slow peer may still read the last.
+        self.shared = {}  # round -> where its contribution lies in this worker's shared memory
+        self.slots = _shared.SharedSlots(f"dlspark-{job[:12]}-{rank}") if _shared.available() else None
+        self.peer_views = _shared.SharedViews()
+        self.read_shared = self.slots is not None
 
     def close(self):
         super().close()
+        self.shared.clear()
+        if self.slots is not None:
+            self.slots.close()
+        self.peer_views.close()
         # Handlers still waiting on this job (a peer's fetch of a share or a contribution)
         # end now rather than at their timeout.
         for slots in self.shares.values():
@@ -71,7 +82,7 @@ class AveragingRun(WorkerRun):
             event.set()
 
     def forget_rounds_before(self, round):
-        for kept in (self.contributions, self.ready, self.untouched, self.shares, self.round_start):
+        for kept in (self.contributions, self.ready, self.untouched, self.shares, self.round_start, self.shared):
             for r in [r for r in kept if r < round]:
                 del kept[r]
 
@@ -131,12 +142,19 @@ class AveragingRun(WorkerRun):
         return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": n_examples,
                 "fit_time": time.perf_counter() - t0, "data_wait": self.prefetch.wait_time - wait0}
 
-    def _contribution(self):
+    def _contribution(self, round, contributors):
         """This replica's leaves after its fit: ``(on the device, on the host)``. The device
         leaves enter its own average without a copy; the host ones are served to peers
-        (views of the same memory on a CPU device)."""
+        (views of the same memory on a CPU device). With two contributors on one host the
+        host leaves are also copied into this worker's shared memory, for the peer to read."""
         leaves = jax.tree_util.tree_leaves(self.state)
-        return leaves, [np.asarray(x) for x in leaves]
+        host = [np.asarray(x) for x in leaves]
+        if (self.slots is not None and len(contributors) == 2 and self.address in contributors
+                and all(_shared.same_host(a, self.address) for a in contributors)):
+            where = self.slots.put(round % 2, host)
+            if where is not None:
+                self.shared[round] = where
+        return leaves, host
 
     def _average_into_state(self, contributions):
         own = jax.tree_util.tree_leaves(self.state)  # its integer leaves are kept
@@ -186,7 +204,7 @@ class AveragingRun(WorkerRun):
             result = await self.compute(self._fit, list(order.refs), order.epoch, list(order.next_refs))
             if self.outer is not None:
                 self.round_start[round] = self._start
-            self.contributions[round] = await self.compute(self._contribution)
+            self.contributions[round] = await self.compute(self._contribution, round, contributors)
             self.stats.mark("prepare")
         except BaseException:
             self.contributions[round] = None  # peers waiting for it learn it will not come
@@ -233,23 +251,31 @@ class AveragingRun(WorkerRun):
             return replace(done, avg_time=time.perf_counter() - t0)
         if len(contributors) >= 3:
             return await self._average_in_shares(round, contributors, attempt, t0)
-        contribs, nbytes = [], 0
+        contribs, nbytes, shared = [], 0, 0
         for addr in contributors:
             if addr == self.address:
                 contribs.append(self._own_contribution(round))
                 continue
-            resp = await self._ask(addr, "contribution", round=round)
+            resp = await self._ask(addr, "contribution", round=round, shared=self.read_shared)
+            if isinstance(resp, SharedContribution):
+                try:
+                    resp = Contribution(leaves=self.peer_views.views(resp.where))
+                    shared += sum(x.nbytes for x in resp.leaves)
+                except (OSError, ValueError):  # not mappable here (another /dev/shm): the comms, from now on
+                    self.read_shared = False
+                    resp = await self._ask(addr, "contribution", round=round)
             if not isinstance(resp, Contribution):
                 return AverageReply(unreachable=(addr,), ok=False, contributors=tuple(contributors))
             nbytes += sum(np.asarray(x).nbytes for x in resp.leaves)
             contribs.append(resp.leaves)
         t_fetch = time.perf_counter() - t0
-        self.stats.mark("fetch", bytes=nbytes)
+        self.stats.mark("fetch", bytes=nbytes, shared=shared)
         await self.compute(self._then_outer, round, self._average_into_state, contribs)
+        del contribs  # views into a peer's shared memory end here
         self._drop_device_copy(round)
         self.stats.mark("average")
         return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
-                            contributors=tuple(contributors))
+                            contributors=tuple(contributors), bytes_shared=shared)
 
     def _then_outer(self, round, combine, *args):
         """Put the round's mean into the state (``combine(*args)``), then take the outer step."""
@@ -331,15 +357,20 @@ class AveragingRun(WorkerRun):
                             contributors=tuple(contributors))
 
     # -- requests from peers ----------------------------------------------------------
-    async def peer_contribution(self, round: int, share: list | None = None):
+    async def peer_contribution(self, round: int, share: list | None = None, shared: bool = False):
         """This replica's leaves after its fit in ``round``; with ``share=[lo, hi]``, only
-        that flat range of its floating-point elements (see ``share_pieces``)."""
+        that flat range of its floating-point elements (see ``share_pieces``). A co-located
+        peer that can read shared memory (``shared``) is told where they lie in it instead."""
         ev = self.ready.setdefault(round, asyncio.Event())
         await asyncio.wait_for(ev.wait(), timeout=self.peer_timeout())
         t0 = self.stats.now()
         contribution = self.contributions.get(round)
         if contribution is None:
             return {"reply": to_serialize(Unavailable(peer=None))}
+        if shared and share is None and round in self.shared:
+            where = self.shared[round]
+            self.stats.add("serve", t0, self.stats.now(), "comms", bytes=where.nbytes, shared=where.nbytes)
+            return {"reply": to_serialize(SharedContribution(where=where))}
         leaves = contribution[1]
         if share is not None:
             floats = [x for x in leaves if is_averaged(x)]

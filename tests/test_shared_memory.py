@@ -1,0 +1,144 @@
+"""Averaging contributions between co-located workers through shared memory (dlspark.distributed._shared)."""
+
+import errno
+import os
+import time
+
+import numpy as np
+import optax
+import pytest
+from conftest import kill_at_round
+
+from dlspark import DistributedTrainer, ParameterAveraging
+from dlspark.distributed._shared import SharedSlots, SharedViews, available, same_host
+
+pytestmark = pytest.mark.skipif(not available(), reason="memory files (memfd_create, /proc) are Linux's")
+
+
+def _held():
+    """This process's open files and mappings of dlspark's shared memory."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        maps = [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                for line in f if "memfd:dlspark-" in line]
+    return [x for x in fds if "memfd:dlspark-" in x] + maps
+
+
+def _held_by_workers(client, timeout=10.0):
+    # a job's teardown on the workers runs on after the fit returns
+    end = time.monotonic() + timeout
+    while True:
+        held = {w: h for w, h in client.run(_held).items() if h}
+        if not held or time.monotonic() > end:
+            return held
+        time.sleep(0.1)
+
+
+def test_leaves_cross_through_a_memory_file_aligned_and_by_turns():
+    slots, views = SharedSlots("dlspark-test"), SharedViews()
+    try:
+        a = [np.arange(10, dtype=np.float32), np.ones((3, 5), np.float64), np.array(7, np.int32)]
+        b = [x * 2 for x in a]
+        wa, wb = slots.put(0, a), slots.put(1, b)
+        assert wa.fd != wb.fd and wa.pid == os.getpid()
+        got_a, got_b = views.views(wa), views.views(wb)
+        for x, y in zip(a + b, got_a + got_b):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            np.testing.assert_array_equal(x, y)
+        assert all(v.ctypes.data % 64 == 0 for v in got_a + got_b)  # XLA's CPU client reads them in place
+        assert not got_a[0].flags.writeable  # a reader cannot change the writer's leaves
+        assert wa.nbytes == sum(x.nbytes for x in a)
+        # the round after next writes over the same file, in place, and the reader sees it
+        again = slots.put(0, b)
+        assert (again.fd, again.token) == (wa.fd, wa.token)
+        np.testing.assert_array_equal(views.views(again)[1], b[1])
+        del got_a, got_b
+    finally:
+        views.close()
+        slots.close()
+    assert _held() == []
+
+
+def test_a_machine_short_of_memory_leaves_the_comms_and_no_file(monkeypatch):
+    # A machine out of memory cannot be made here: posix_fallocate's refusal is simulated,
+    # which is what the kernel answers when the pages cannot be reserved.
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    slots = SharedSlots("dlspark-test-full")
+    assert slots.put(0, [np.zeros(1000, np.float32)]) is None
+    assert slots.put(1, [np.zeros(10, np.float32)]) is None  # the job keeps the comms from then on
+    assert _held() == []
+    slots.close()
+
+
+def test_a_reader_that_cannot_map_the_file_is_told_so():
+    slots, views = SharedSlots("dlspark-test-gone"), SharedViews()
+    where = slots.put(0, [np.zeros(100, np.float32)])
+    slots.close()  # the writer let go of it (its job closed, or its process is gone)
+    with pytest.raises(OSError):
+        views.views(where)
+    views.close()
+
+
+def test_same_host_compares_the_hosts_of_plain_tcp_addresses():
+    assert same_host("tcp://127.0.0.1:4001", "tcp://127.0.0.1:4002")
+    assert not same_host("tcp://10.0.0.1:4001", "tcp://10.0.0.2:4001")
+    assert not same_host("tcp://127.0.0.1:4001", "not an address")
+    assert not same_host("tls://127.0.0.1:4001", "tls://127.0.0.1:4002")  # a TLS cluster keeps the comms
+
+
+def _fit(client, make_net, tr, **kw):
+    net = make_net(updater=optax.adam(1e-2))
+    trainer = DistributedTrainer(client, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3),
+                                 progress=False)
+    trainer.fit(tr[:576], **kw)
+    return trainer
+
+
+def _use_shared_memory(on):
+    import dask
+
+    dask.config.set({"dlspark.worker.shared-memory": on})
+
+
+def test_co_located_workers_average_through_shared_memory_with_the_comms_bits(client2, make_net, digits):
+    tr, _ = digits
+    shared = _fit(client2, make_net, tr)
+    stats = shared.last_fit_stats
+    assert stats and all(s["bytes_shared"] == s["bytes_received"] > 0 for s in stats)
+    shared.close()
+    assert _held_by_workers(client2) == {}  # the job's files and mappings go with it
+    client2.run(_use_shared_memory, False)  # dlspark.worker.shared-memory, in the workers' config
+    try:
+        comms = _fit(client2, make_net, tr)
+        assert all(s["bytes_shared"] == 0 and s["bytes_received"] > 0 for s in comms.last_fit_stats)
+        assert _held_by_workers(client2, timeout=0) == {}
+    finally:
+        client2.run(_use_shared_memory, True)
+    for x, y in zip(jax_leaves(shared.network.state), jax_leaves(comms.network.state)):
+        np.testing.assert_array_equal(x, y)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_a_killed_worker_leaves_no_segment_behind(client2, make_net, digits):
+    tr, _ = digits
+    on_round, killed = kill_at_round(client2, 2)
+    trainer = _fit(client2, make_net, tr, epochs=3, callbacks=[on_round])
+    assert killed.is_set()
+    assert sum(s["minibatches"] for s in trainer.last_fit_stats) == 3 * 18
+    trainer.close()
+    # the survivor lets go of its files and of its mapping of the killed worker's, whose
+    # memory the kernel frees with the last of them
+    assert _held_by_workers(client2) == {}
