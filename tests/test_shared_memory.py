@@ -57,11 +57,38 @@ def test_leaves_cross_through_a_memory_file_aligned_and_by_turns():
         again = slots.put(0, b)
         assert (again.fd, again.token) == (wa.fd, wa.token)
         np.testing.assert_array_equal(views.views(again)[1], b[1])
-        del got_a, got_b
+        del got_a, got_b, x, y
     finally:
         views.close()
         slots.close()
     assert _held() == []
+
+
+def test_closing_while_views_live_leaves_them_readable():
+    # A job closes on its event loop while its compute thread may still read a peer's leaves
+    # (or copy its own): the views must keep their memory mapped, not read unmapped memory.
+    slots, views = SharedSlots("dlspark-test-live"), SharedViews()
+    a = [np.arange(1000, dtype=np.float32)]
+    got = views.views(slots.put(0, a))
+    views.close()
+    slots.close()
+    np.testing.assert_array_equal(got[0], a[0])
+    assert slots.put(1, a) is None  # closed: nothing new is made
+    del got
+    assert _held() == []
+
+
+def test_a_file_that_is_not_the_one_named_is_refused():
+    # the same /proc path can name another file: another pid namespace, or a number reused
+    import dataclasses
+
+    slots, views = SharedSlots("dlspark-test-identity"), SharedViews()
+    where = slots.put(0, [np.zeros(100, np.float32)])
+    other = dataclasses.replace(where, identity=(where.identity[0], where.identity[1] + 1), token="other")
+    with pytest.raises(OSError, match="is not the shared file it was"):
+        views.views(other)
+    views.close()
+    slots.close()
 
 
 def test_a_machine_short_of_memory_leaves_the_comms_and_no_file(monkeypatch):

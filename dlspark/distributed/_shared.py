@@ -54,18 +54,27 @@ def same_host(a: str, b: str) -> bool:
 @dataclass(frozen=True)
 class SharedLeaves:
     """Where a list of arrays lies: the writer's process and file descriptor, a token that
-    tells this file from a later one with the same number, and per array ``(offset, shape,
-    dtype string)``."""
+    tells this file from a later one with the same number, the file's identity, and per
+    array ``(offset, shape, dtype string)``."""
 
     pid: int
     fd: int
     token: str
     size: int
     layout: tuple
+    identity: tuple = ()  # (st_dev, st_ino) of the file: a reader checks that it mapped this one
 
     @property
     def nbytes(self) -> int:
         return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for _, shape, dt in self.layout)
+
+
+def _view(mm, offset, shape, dt):
+    """A numpy view into ``mm`` that holds the mapping (``np.frombuffer`` exports its buffer):
+    while it lives, ``mm.close()`` raises ``BufferError`` rather than unmapping memory it reads."""
+    dt = np.dtype(dt)
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(mm, dt, count, offset).reshape(shape)
 
 
 def _layout(leaves) -> tuple[tuple, int]:
@@ -80,12 +89,13 @@ def _layout(leaves) -> tuple[tuple, int]:
 class SharedSlots:
     """The writer's files of one job: ``put(slot, leaves)`` copies ``leaves`` into file
     ``slot`` and says where they lie, or returns None when the memory could not be had (the
-    caller then serves them through the comms, for the rest of the job)."""
+    caller then serves them through the comms, for the rest of the job) or the slots are
+    closed. Call ``put`` and ``close`` from one thread (the job's compute thread)."""
 
     def __init__(self, name: str, slots: int = 2):
         self.name = name
-        self.files: list = [None] * slots  # (fd, mmap, token, size)
-        self.failed = False
+        self.files: list = [None] * slots  # (fd, mmap, token, size, identity)
+        self.failed = self.closed = False
 
     def _file(self, slot: int, size: int):
         f = self.files[slot]
@@ -96,36 +106,38 @@ class SharedSlots:
         try:
             os.posix_fallocate(fd, 0, size)  # refused here when memory is short, not SIGBUS later
             mm = mmap.mmap(fd, size)
+            st = os.fstat(fd)
         except OSError:
             os.close(fd)
             raise
-        self.files[slot] = f = (fd, mm, os.urandom(8).hex(), size)
+        self.files[slot] = f = (fd, mm, os.urandom(8).hex(), size, (st.st_dev, st.st_ino))
         return f
 
     def put(self, slot: int, leaves) -> SharedLeaves | None:
-        if self.failed:
+        if self.failed or self.closed:
             return None
         leaves = [np.asarray(x) for x in leaves]
         layout, size = _layout(leaves)
         try:
-            fd, mm, token, size = self._file(slot, size)
+            fd, mm, token, size, identity = self._file(slot, size)
         except OSError:  # no memory to spare: this job keeps the comms
             self.failed = True
             return None
         for x, (offset, shape, dt) in zip(leaves, layout):
-            np.copyto(np.ndarray(shape, dt, buffer=mm, offset=offset), x)
-        return SharedLeaves(os.getpid(), fd, token, size, layout)
+            np.copyto(_view(mm, offset, shape, dt), x)
+        return SharedLeaves(os.getpid(), fd, token, size, layout, identity)
 
     def _drop(self, slot: int):
         f, self.files[slot] = self.files[slot], None
         if f is not None:
             try:
                 f[1].close()
-            except BufferError:  # a view of it is still alive here; the memory goes with it
+            except BufferError:  # a view of it is still alive here; the mapping goes with the last
                 pass
             os.close(f[0])
 
     def close(self):
+        self.closed = True
         for slot in range(len(self.files)):
             self._drop(slot)
 
@@ -144,18 +156,24 @@ class SharedViews:
         if mm is None:
             fd = os.open(f"/proc/{where.pid}/fd/{where.fd}", os.O_RDONLY)
             try:
-                if os.fstat(fd).st_size < where.size:  # not the file it names (its number was reused)
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != tuple(where.identity) or st.st_size < where.size:
+                    # another process's file under that name: another pid namespace, or a number reused
                     raise OSError(f"/proc/{where.pid}/fd/{where.fd} is not the shared file it was")
                 mm = mmap.mmap(fd, where.size, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             self.mapped[key] = mm
-        return [np.ndarray(shape, dt, buffer=mm, offset=offset) for offset, shape, dt in where.layout]
+        return [_view(mm, offset, shape, dt) for offset, shape, dt in where.layout]
+
+    @staticmethod
+    def _close(mm):
+        try:
+            mm.close()
+        except BufferError:  # a view is still referenced; the mapping goes with the last
+            pass
 
     def close(self):
         for mm in self.mapped.values():
-            try:
-                mm.close()
-            except BufferError:  # a view is still referenced; the mapping goes with it
-                pass
+            self._close(mm)
         self.mapped.clear()

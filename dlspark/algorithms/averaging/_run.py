@@ -65,11 +65,14 @@ class AveragingRun(WorkerRun):
         self.read_shared = self.slots is not None
 
     def close(self):
+        # The shared memory is let go of on the compute thread, after whatever runs there now
+        # (a copy into a slot, a mean still reading a peer's): a shut-down executor runs
+        # what was queued before it.
+        try:
+            self.executor.submit(self._close_shared)
+        except RuntimeError:  # closed before
+            pass
         super().close()
-        self.shared.clear()
-        if self.slots is not None:
-            self.slots.close()
-        self.peer_views.close()
         # Handlers still waiting on this job (a peer's fetch of a share or a contribution)
         # end now rather than at their timeout.
         for slots in self.shares.values():
@@ -80,6 +83,12 @@ class AveragingRun(WorkerRun):
         for round, event in self.ready.items():
             self.contributions.setdefault(round, None)
             event.set()
+
+    def _close_shared(self):
+        self.shared.clear()
+        if self.slots is not None:
+            self.slots.close()
+        self.peer_views.close()
 
     def forget_rounds_before(self, round):
         for kept in (self.contributions, self.ready, self.untouched, self.shares, self.round_start, self.shared):
@@ -251,18 +260,22 @@ class AveragingRun(WorkerRun):
             return replace(done, avg_time=time.perf_counter() - t0)
         if len(contributors) >= 3:
             return await self._average_in_shares(round, contributors, attempt, t0)
-        contribs, nbytes, shared = [], 0, 0
+        contribs, nbytes, shared, resp = [], 0, 0, None
         for addr in contributors:
             if addr == self.address:
                 contribs.append(self._own_contribution(round))
                 continue
-            resp = await self._ask(addr, "contribution", round=round, shared=self.read_shared)
+            nearby = self.read_shared and _shared.same_host(addr, self.address)
+            resp = await self._ask(addr, "contribution", round=round, shared=nearby)
             if isinstance(resp, SharedContribution):
                 try:
-                    resp = Contribution(leaves=self.peer_views.views(resp.where))
+                    resp = Contribution(leaves=await self.compute(self.peer_views.views, resp.where))
                     shared += sum(x.nbytes for x in resp.leaves)
-                except (OSError, ValueError):  # not mappable here (another /dev/shm): the comms, from now on
-                    self.read_shared = False
+                except (OSError, ValueError) as e:
+                    if not isinstance(e, (FileNotFoundError, ProcessLookupError)):
+                        # not mappable from here (another pid namespace, no permission): the
+                        # comms from now on; a peer that is gone only fails this request
+                        self.read_shared = False
                     resp = await self._ask(addr, "contribution", round=round)
             if not isinstance(resp, Contribution):
                 return AverageReply(unreachable=(addr,), ok=False, contributors=tuple(contributors))
@@ -271,7 +284,7 @@ class AveragingRun(WorkerRun):
         t_fetch = time.perf_counter() - t0
         self.stats.mark("fetch", bytes=nbytes, shared=shared)
         await self.compute(self._then_outer, round, self._average_into_state, contribs)
-        del contribs  # views into a peer's shared memory end here
+        del contribs, resp  # this call's views into a peer's shared memory end here
         self._drop_device_copy(round)
         self.stats.mark("average")
         return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
