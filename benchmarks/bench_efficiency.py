@@ -1,7 +1,8 @@
 """Per-worker efficiency of parameter averaging and gradient sharing on a 2-worker LocalCluster.
 
-efficiency = (steps/s of one worker inside the job) / (steps/s of the same
-jitted step in a plain process pinned to one core). Each worker is pinned to
+efficiency = (steps/s of one worker inside the job) / (steps/s of the plain
+jitted optax step of the same model and updater, ``_common.plain_optax_step``,
+in a plain process pinned to one core). Each worker is pinned to
 one core too. Both sides are measured in the same run. A second figure,
 ``efficiency_vs_concurrent``, divides by plain processes run side by side on
 the workers' cores, so that the machine is as loaded as during the job. A

@@ -2,7 +2,8 @@
 CPU devices, no cluster.
 
 efficiency = (steps/s of one device inside a ParallelWrapper fit) / (steps/s of
-the same jitted step in a plain process pinned to one core). The wrapper runs
+the plain jitted optax step of the same model and updater in a plain process
+pinned to one core). The wrapper runs
 in a fresh process, where JAX starts with ``jax_num_cpu_devices`` = devices and
 which may use as many cores: XLA's default, one pool of threads that both devices'
 ops share (``one_thread=True`` sets ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``
