@@ -265,13 +265,16 @@ def test_every_phase_for_every_worker(fits, algorithm):
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["averaging", "sharing"])
 def test_main_lane_adds_up_to_the_round(fits, algorithm):
+    # The round lasts until its last worker answers: that worker's main lane adds up to it, and
+    # no worker's lane is longer. (A worker that finishes its own part of the round sooner,
+    # say by compiling its first mean faster, ends its lane before the round ends.)
     s = fits[algorithm].training_stats
     assert len(s) == 3
-    for w in s.workers():
-        phases = s.round_phases(w)
-        for r in s:
-            total = sum(phases[r["round"]].values())
-            assert total == pytest.approx(r["round_time"], rel=0.05), (w, r["round"], phases[r["round"]])
+    phases = {w: s.round_phases(w) for w in s.workers()}
+    for r in s:
+        totals = {w: sum(p[r["round"]].values()) for w, p in phases.items()}
+        assert max(totals.values()) == pytest.approx(r["round_time"], rel=0.05), (r["round"], totals, phases)
+        assert all(t <= 1.05 * r["round_time"] for t in totals.values()), (r["round"], totals)
 
 
 @pytest.mark.slow
