@@ -146,14 +146,22 @@ def _mean_over_devices(state, contributes, n):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _policy_step(net, stacked: bool = False):
+    """The step a replica runs: under ``on_nonfinite="skip"`` ``train_step``, whose guard
+    leaves a bad step out; else ``checked_step``, which only flags it (the fit then raises
+    and leaves the network as it was, so there is nothing to undo). ``stacked``: the same
+    over stacked minibatches."""
+    steps = net.steps
+    if net.on_nonfinite == "skip":
+        return steps.train_steps if stacked else steps.train_step
+    return steps.checked_steps if stacked else steps.checked_step
+
+
 def _round_function(net, master, mesh, fit: bool):
     """The compiled round: with ``fit``, every replica runs its stacked minibatches
-    (``Network.steps.train_steps``, whose guard leaves a bad step out, under
-    ``on_nonfinite="skip"``; else ``checked_steps``, which only flags it: the fit
-    then raises and leaves the network as it was), then the replicas average and
-    take the outer step; without, the replicas (already fitted) only average."""
-    steps, updater, tx = net.steps, net.updater, master.outer_updater
-    skips = net.on_nonfinite == "skip"  # else a bad step stops the fit: no need to undo it
+    (``_policy_step``), then the replicas average and take the outer step; without,
+    the replicas (already fitted) only average."""
+    updater, tx, run_steps = net.updater, master.outer_updater, _policy_step(net, stacked=True)
 
     def local(state, outer, batches, start, epoch, contributes, n):
         # one device's view: every replicated argument has a leading axis of length 1
@@ -164,7 +172,7 @@ def _round_function(net, master, mesh, fit: bool):
             if not master.save_updater:
                 st = st.replace(opt_state=updater.init(st.params))
             st = st.replace(epoch=epoch)
-            st, (losses, oks) = (steps.train_steps if skips else steps.checked_steps)(st, _first(batches))
+            st, (losses, oks) = run_steps(st, _first(batches))
         else:
             start = _first(start)
         # in a fitting call every replica has minibatches: all of them contribute
@@ -184,13 +192,14 @@ def _round_function(net, master, mesh, fit: bool):
 def _step_function(net, master, mesh, first: bool):
     """One step on every device (``fused_steps=False``); the round's ``first`` resets the updater
     (without ``save_updater``) and sets the epoch, as a cluster worker does at a round's start."""
+    step = _policy_step(net)
+
     def local(state, batch, epoch):
         st = _first(state)
         if first:
             if not master.save_updater:
                 st = st.replace(opt_state=net.updater.init(st.params))
             st = st.replace(epoch=epoch)
-        step = net.steps.train_step if net.on_nonfinite == "skip" else net.steps.checked_step
         st, loss, ok = step(st, _first(batch))
         return _lead(st), loss[None], ok[None]
 

@@ -156,9 +156,11 @@ def build_steps(model, loss, updater) -> Steps:
         kept = state.replace(rng=rng)
         return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, kept), value, ok
 
+    def all_leaves_finite(leaves):
+        return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
+
     def finite(value, updates):
-        leaves = jax.tree_util.tree_leaves(updates)
-        return jnp.isfinite(value) & jnp.all(jnp.array([jnp.all(jnp.isfinite(u)) for u in leaves]))
+        return jnp.isfinite(value) & all_leaves_finite(jax.tree_util.tree_leaves(updates))
 
     def bare_step(state, batch):
         updates, opt, mstate, rng, value = compute_update(state, batch)
@@ -171,31 +173,28 @@ def build_steps(model, loss, updater) -> Steps:
         state = state.replace(epoch=state.epoch + epochs)
         return state, copy_state(state), all_finite(state), jnp.stack(losses)
 
-    def train_steps(state, batches):
-        def body(st, batch):
-            st, value, ok = train_step(st, batch)
-            return st, (value, ok)
-
-        # unrolled: XLA's CPU backend runs a rolled loop of convolutions many times slower
-        return jax.lax.scan(body, state, batches, unroll=True)
-
-    def bare_steps(state, batches):
-        return jax.lax.scan(bare_step, state, batches, unroll=True)
-
     def checked_step(state, batch):
         updates, opt, mstate, rng, value = compute_update(state, batch)
         return apply_update(state, updates, opt, mstate, rng), value, finite(value, updates)
 
-    def checked_steps(state, batches):
-        def body(st, batch):
-            st, value, ok = checked_step(st, batch)
-            return st, (value, ok)
+    def over_stacked(step):
+        """``step`` over minibatches stacked on a leading axis: ``(state, (losses, applied))``."""
+        def steps(state, batches):
+            def body(st, batch):
+                st, value, ok = step(st, batch)
+                return st, (value, ok)
 
-        return jax.lax.scan(body, state, batches, unroll=True)
+            # unrolled: XLA's CPU backend runs a rolled loop of convolutions many times slower
+            return jax.lax.scan(body, state, batches, unroll=True)
+
+        return steps
+
+    def bare_steps(state, batches):
+        return jax.lax.scan(bare_step, state, batches, unroll=True)
 
     def all_finite(state):
-        leaves = [x for x in jax.tree_util.tree_leaves(state.params) if jnp.issubdtype(x.dtype, jnp.inexact)]
-        return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
+        return all_leaves_finite([x for x in jax.tree_util.tree_leaves(state.params)
+                                  if jnp.issubdtype(x.dtype, jnp.inexact)])
 
     def output(state, x, fmask):
         return model.apply_eval(state.params, state.model_state, x, fmask)
@@ -224,11 +223,11 @@ def build_steps(model, loss, updater) -> Steps:
         output=jax.jit(output),
         loss_sum=jax.jit(loss_sum),
         per_example_loss=jax.jit(per_example_loss),
-        train_steps=jax.jit(train_steps, donate_argnums=(0,)),
+        train_steps=jax.jit(over_stacked(train_step), donate_argnums=(0,)),
         bare_step=jax.jit(bare_step, donate_argnums=(0,)),
         bare_steps=jax.jit(bare_steps, donate_argnums=(0,)),
         checked_step=jax.jit(checked_step, donate_argnums=(0,)),
-        checked_steps=jax.jit(checked_steps, donate_argnums=(0,)),
+        checked_steps=jax.jit(over_stacked(checked_step), donate_argnums=(0,)),
         all_finite=jax.jit(all_finite),
         window_end=jax.jit(window_end, donate_argnums=(0,)),
         copy_state=jax.jit(copy_state),

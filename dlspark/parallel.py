@@ -44,7 +44,7 @@ from .network import Network
 
 __all__ = ["ParallelWrapper", "resolve_devices"]
 
-from ._parallel_averaging import (AXIS, _by_device, _equivalent_bytes, _first, _lead, _Rounds,
+from ._parallel_averaging import (AXIS, _by_device, _equivalent_bytes, _first, _lead, _policy_step, _Rounds,
                                   _round_function, _step_function)
 
 
@@ -441,7 +441,7 @@ class ParallelWrapper:
         each replica steps on its own device, as a cluster worker does, then one compiled call
         averages."""
         net, master = self.network, self.master
-        steps = net.steps
+        step = _policy_step(net)
         parts, losses, oks = [], [], []
         for r, dev in enumerate(self.devices):
             mine = jax.tree_util.tree_map(lambda x: _by_device(x)[dev], state)
@@ -456,7 +456,6 @@ class ParallelWrapper:
             st = st.replace(epoch=jax.device_put(epoch, dev))  # a host scalar: the step donates this copy
             # one step at a time: one compilation per device and shape serves every such round
             ls, ks = [], []
-            step = steps.train_step if net.on_nonfinite == "skip" else steps.checked_step
             for b in own:
                 st, x, ok = step(st, b)
                 ls.append(x), ks.append(ok)

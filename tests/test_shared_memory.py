@@ -55,7 +55,7 @@ def test_leaves_cross_through_a_memory_file_aligned_and_by_turns():
         assert wa.nbytes == sum(x.nbytes for x in a)
         # the round after next writes over the same file, in place, and the reader sees it
         again = slots.put(0, b)
-        assert (again.fd, again.token) == (wa.fd, wa.token)
+        assert (again.fd, again.identity) == (wa.fd, wa.identity)
         np.testing.assert_array_equal(views.views(again)[1], b[1])
         del got_a, got_b, x, y
     finally:
@@ -84,7 +84,7 @@ def test_a_file_that_is_not_the_one_named_is_refused():
 
     slots, views = SharedSlots("dlspark-test-identity"), SharedViews()
     where = slots.put(0, [np.zeros(100, np.float32)])
-    other = dataclasses.replace(where, identity=(where.identity[0], where.identity[1] + 1), token="other")
+    other = dataclasses.replace(where, identity=(where.identity[0], where.identity[1] + 1))
     with pytest.raises(OSError, match="is not the shared file it was"):
         views.views(other)
     views.close()

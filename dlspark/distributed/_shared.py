@@ -53,16 +53,15 @@ def same_host(a: str, b: str) -> bool:
 
 @dataclass(frozen=True)
 class SharedLeaves:
-    """Where a list of arrays lies: the writer's process and file descriptor, a token that
-    tells this file from a later one with the same number, the file's identity, and per
-    array ``(offset, shape, dtype string)``."""
+    """Where a list of arrays lies: the writer's process and file descriptor, the file's
+    identity ``(st_dev, st_ino)`` (which tells it from a later file with the same number,
+    and which a reader checks), its size, and per array ``(offset, shape, dtype string)``."""
 
     pid: int
     fd: int
-    token: str
+    identity: tuple
     size: int
     layout: tuple
-    identity: tuple = ()  # (st_dev, st_ino) of the file: a reader checks that it mapped this one
 
     @property
     def nbytes(self) -> int:
@@ -94,12 +93,12 @@ class SharedSlots:
 
     def __init__(self, name: str, slots: int = 2):
         self.name = name
-        self.files: list = [None] * slots  # (fd, mmap, token, size, identity)
+        self.files: list = [None] * slots  # (fd, mmap, size, identity)
         self.failed = self.closed = False
 
     def _file(self, slot: int, size: int):
         f = self.files[slot]
-        if f is not None and f[3] >= size:
+        if f is not None and f[2] >= size:
             return f
         self._drop(slot)
         fd = os.memfd_create(f"{self.name}-{slot}", os.MFD_CLOEXEC)
@@ -110,7 +109,7 @@ class SharedSlots:
         except OSError:
             os.close(fd)
             raise
-        self.files[slot] = f = (fd, mm, os.urandom(8).hex(), size, (st.st_dev, st.st_ino))
+        self.files[slot] = f = (fd, mm, size, (st.st_dev, st.st_ino))
         return f
 
     def put(self, slot: int, leaves) -> SharedLeaves | None:
@@ -119,13 +118,13 @@ class SharedSlots:
         leaves = [np.asarray(x) for x in leaves]
         layout, size = _layout(leaves)
         try:
-            fd, mm, token, size, identity = self._file(slot, size)
+            fd, mm, size, identity = self._file(slot, size)
         except OSError:  # no memory to spare: this job keeps the comms
             self.failed = True
             return None
         for x, (offset, shape, dt) in zip(leaves, layout):
             np.copyto(_view(mm, offset, shape, dt), x)
-        return SharedLeaves(os.getpid(), fd, token, size, layout, identity)
+        return SharedLeaves(os.getpid(), fd, identity, size, layout)
 
     def _drop(self, slot: int):
         f, self.files[slot] = self.files[slot], None
@@ -151,7 +150,7 @@ class SharedViews:
         self.mapped: dict = {}
 
     def views(self, where: SharedLeaves) -> list:
-        key = (where.pid, where.fd, where.token)
+        key = (where.pid, where.fd, where.identity)
         mm = self.mapped.get(key)
         if mm is None:
             fd = os.open(f"/proc/{where.pid}/fd/{where.fd}", os.O_RDONLY)
