@@ -75,6 +75,43 @@ def test_corrupt_truncated_missing_and_foreign_files_name_the_url(tmp_path):
         load_minibatch(str(pickled))
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_minibatch_files_read_as_np_load_reads_them(tmp_path, compressed):
+    # Stored members are read in place (not through np.load): every dtype, order and shape
+    # np.savez can write must come back as np.load gives it, writable; compressed files
+    # (np.savez_compressed) take np.load's path.
+    rng = np.random.default_rng(0)
+    arrays = {"features_0": rng.normal(size=(5, 3, 2)).astype(np.float32),
+              "features_1": np.asfortranarray(rng.normal(size=(5, 4))),
+              "labels_0": np.arange(5, dtype=">i4").reshape(5, 1),
+              "labels_1": rng.integers(0, 2, (5, 0)).astype(np.int8),
+              "features_mask_0": np.array([True, False, True, True, False]),
+              "labels_mask_1": rng.normal(size=5).astype(np.float16)}
+    path = tmp_path / "many.npz"
+    (np.savez_compressed if compressed else np.savez)(path, **arrays)
+    back = load_minibatch(str(path))
+    with np.load(path) as z:
+        expected = {k: z[k] for k in z.files}
+    got = {"features_0": back.features[0], "features_1": back.features[1], "labels_0": back.labels[0],
+           "labels_1": back.labels[1], "features_mask_0": back.features_masks[0], "labels_mask_1": back.labels_masks[1]}
+    for k, want in expected.items():
+        assert got[k].dtype == want.dtype and got[k].shape == want.shape, k
+        np.testing.assert_array_equal(got[k], want)
+        assert got[k].flags.writeable, k
+
+
+def test_a_flipped_bit_in_a_minibatch_file_is_refused_not_read(tmp_path):
+    x, y = _arrays(50)
+    good = save_dataset(DataSet(x, y), str(tmp_path / "good.npz"))
+    raw = bytearray(open(good, "rb").read())
+    body = raw.index(b"\x93NUMPY") + 128 + 40  # inside the features' data
+    raw[body] ^= 0x04
+    bad = tmp_path / "flipped.npz"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(CorruptMinibatchError, match="flipped.npz.*CRC"):
+        load_minibatch(str(bad))
+
+
 def test_crashed_write_leaves_no_file_that_a_reader_takes_for_a_minibatch(tmp_path):
     target = tmp_path / "mb" / "batch_000000.npz"
     with pytest.raises(RuntimeError):
