@@ -306,7 +306,8 @@ class ParallelWrapper:
         if resume_from is not None:  # the cluster's resume: the same checks, meta and state
             epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(
                 self, resume_from, epochs, self._checkpoint_options)
-            if epochs <= 0:
+            if epochs <= 0:  # the checkpoint's fit was finished: nothing to train
+                self.last_fit_stats = []
                 return net
         base_step, base_epoch = net.iteration, net.epoch
         state, outer = self._replicate(net.state, saved_rngs)
@@ -384,6 +385,7 @@ class ParallelWrapper:
             epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(
                 self, resume_from, epochs, self._checkpoint_options)
             if epochs <= 0:
+                self.last_fit_stats = []
                 return self.network
             resumed = (skip, saved_rngs, epochs_done, total)
         bar = _progress_bar(self.progress if progress is None else progress,

@@ -162,6 +162,24 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run(make_net, digits, tmp_
     assert (resumed.iteration, resumed.epoch) == (straight.iteration, straight.epoch) == (40, 2)
 
 
+@pytest.mark.parametrize("algorithm", ["averaging", "sharing"])
+def test_resuming_a_finished_fit_trains_nothing_and_reports_no_rounds(make_net, digits, tmp_path, algorithm):
+    tr, _ = digits
+    data = tr[:256]  # 8 minibatches of 32: 4 rounds of averaging, 1 of sharing
+    url = str(tmp_path / "done.dls")
+    master = (ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1) if algorithm == "averaging"
+              else GradientSharing(batch_size_per_worker=32, steps_per_round=4))
+    net = make_net(MLP(), updater=optax.adam(1e-2))
+    wrapper = ParallelWrapper(net, master, CPU2, progress=False)
+    wrapper.fit(data, checkpoint_every=1, checkpoint_url=url)  # the last checkpoint is the fit's end
+    assert wrapper.last_fit_stats
+    before = jax.tree_util.tree_map(np.asarray, net.state.params)
+    wrapper.fit(data, resume_from=url)
+    assert wrapper.last_fit_stats == []  # not the rounds of the fit before
+    _close(net.state.params, before)
+    assert net.iteration == 8
+
+
 def test_fit_paths_evaluation_keyed_inference_and_scoring(make_net, digits, tmp_path):
     tr, te = digits
     urls = dlspark.data.save_minibatches(tr.features[:960], tr.labels[:960], str(tmp_path / "mb"), batch_size=16)

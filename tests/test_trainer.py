@@ -280,6 +280,21 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run(client2, make_net, dig
     assert (last.iteration, last.epoch) == (40, 2)
 
 
+def test_resuming_a_finished_fit_trains_nothing_and_reports_no_rounds(client2, make_net, digits, tmp_path):
+    tr, _ = digits
+    url = str(tmp_path / "done.dls")
+    net = make_net(MLP(), updater=optax.adam(1e-2))
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1),
+                                 progress=False)
+    trainer.fit(tr[:128], checkpoint_every=1, checkpoint_url=url)  # 2 rounds; the last checkpoint is the end
+    assert len(trainer.last_fit_stats) == 2
+    before = jax.tree_util.tree_map(np.asarray, net.state.params)
+    trainer.fit(tr[:128], resume_from=url)
+    assert trainer.last_fit_stats == []  # not the rounds of the fit before
+    _close(net.state.params, before)
+    assert net.iteration == 4
+
+
 def test_resume_refuses_worker_rngs_of_another_prng(client2, make_net, digits, tmp_path):
     import json
     import zipfile

@@ -144,7 +144,8 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     if resume_from is not None:
         epochs, skip, worker_rngs, epochs_done, carried = _resume(trainer, resume_from, epochs, storage_options)
         trainer.algorithm_state = carried
-        if epochs <= 0:
+        if epochs <= 0:  # the checkpoint's fit was finished: nothing to train
+            trainer.last_fit_stats = []
             return trainer.network
     net, client = trainer.network, trainer.client
     workers = trainer._workers()
