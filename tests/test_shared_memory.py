@@ -64,6 +64,30 @@ def test_leaves_cross_through_a_memory_file_aligned_and_by_turns():
     assert _held() == []
 
 
+def test_a_reader_lets_go_of_a_file_no_round_has_read_for_a_while():
+    # A peer that left the job (killed, or dropped by the coordinator) keeps its memory alive
+    # for as long as a reader maps it: the reader unmaps files unused for `keep` rounds.
+    gone, live, views = SharedSlots("dlspark-test-gone"), SharedSlots("dlspark-test-live2"), SharedViews(keep=2)
+    try:
+        a = [np.arange(100, dtype=np.float32)]
+        held = views.views(gone.put(0, a), round=0)
+        for r in range(1, 4):
+            views.views(live.put(r % 2, a), round=r)
+        # round 3 > 0 + keep: the gone peer's file is let go of, but not under a live view
+        np.testing.assert_array_equal(held[0], a[0])
+        del held
+        gone.close()
+        assert [m for m in _held() if "test-gone" in m] == []
+        assert len(views.mapped) == 2  # the live peer's two slots
+        views.views(live.put(0, a), round=4)
+        assert len(views.mapped) == 2
+    finally:
+        views.close()
+        gone.close()
+        live.close()
+    assert _held() == []
+
+
 def test_closing_while_views_live_leaves_them_readable():
     # A job closes on its event loop while its compute thread may still read a peer's leaves
     # (or copy its own): the views must keep their memory mapped, not read unmapped memory.

@@ -15,7 +15,8 @@ rather than killing the process with ``SIGBUS`` at the first write.
 
 :class:`SharedSlots` is the writer's side: per job, ``slots`` files used in turn, so that a
 round can be written while a peer still reads the one before. :class:`SharedViews` is the
-reader's: it maps a peer's files once per job and gives read-only numpy views into them.
+reader's: it maps a peer's files once, gives read-only numpy views into them, and lets go
+of a file no round has read for a few rounds (a peer that left the job).
 """
 
 from __future__ import annotations
@@ -142,15 +143,21 @@ class SharedSlots:
 
 
 class SharedViews:
-    """The reader's mappings of its peers' files, one per file for the job's life.
+    """The reader's mappings of its peers' files, each kept while it is in use.
     ``views`` raises ``OSError`` when the file cannot be mapped from here (another host's or
-    container's process, a process that is gone, no permission)."""
+    container's process, a process that is gone, no permission).
 
-    def __init__(self):
-        self.mapped: dict = {}
+    A peer reads a file every ``len(slots)`` rounds; ``views(where, round)`` lets go of the
+    mappings no call has asked for in the last ``keep`` rounds (a peer that left the job,
+    whose memory the kernel frees only once nobody maps it). Call it from one thread."""
 
-    def views(self, where: SharedLeaves) -> list:
-        key = (where.pid, where.fd, where.identity)
+    def __init__(self, keep: int = 4):
+        self.mapped: dict = {}  # (pid, fd, identity) -> mmap
+        self.used: dict = {}  # the same keys -> the round that last read it
+        self.keep = keep
+
+    def views(self, where: SharedLeaves, round: int | None = None) -> list:
+        key = (where.pid, where.fd, tuple(where.identity))
         mm = self.mapped.get(key)
         if mm is None:
             fd = os.open(f"/proc/{where.pid}/fd/{where.fd}", os.O_RDONLY)
@@ -163,6 +170,11 @@ class SharedViews:
             finally:
                 os.close(fd)
             self.mapped[key] = mm
+        if round is not None:
+            self.used[key] = round
+            for stale in [k for k, r in self.used.items() if r < round - self.keep]:
+                self._close(self.mapped.pop(stale))
+                del self.used[stale]
         return [_view(mm, offset, shape, dt) for offset, shape, dt in where.layout]
 
     @staticmethod
@@ -176,3 +188,4 @@ class SharedViews:
         for mm in self.mapped.values():
             self._close(mm)
         self.mapped.clear()
+        self.used.clear()

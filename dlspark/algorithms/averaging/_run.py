@@ -269,7 +269,7 @@ class AveragingRun(WorkerRun):
             resp = await self._ask(addr, "contribution", round=round, shared=nearby)
             if isinstance(resp, SharedContribution):
                 try:
-                    resp = Contribution(leaves=await self.compute(self.peer_views.views, resp.where))
+                    resp = Contribution(leaves=await self.compute(self.peer_views.views, resp.where, round))
                     shared += sum(x.nbytes for x in resp.leaves)
                 except (OSError, ValueError) as e:
                     if not isinstance(e, (FileNotFoundError, ProcessLookupError)):
