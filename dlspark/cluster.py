@@ -41,6 +41,11 @@ WORKER_CONFIG = {
     # taken from whichever worker shares that core.
     "distributed.worker.memory.monitor-interval": "1s",
     "distributed.admin.system-monitor.interval": "2s",
+    # Every Dask server (the scheduler, each nanny and worker) wakes every 20 ms to time its
+    # own event loop. An idle 2-worker cluster here spent 7.8% of a core on that (4.2% in the
+    # scheduler's process, 1.6-2.0% in each worker); at 1 s it spends 1.6% (0.9% and 0.3-0.4%).
+    # A loop blocked longer than the limit (3 s) is still reported.
+    "distributed.admin.tick.interval": "1s",
 }
 
 

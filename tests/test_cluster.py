@@ -28,6 +28,20 @@ def test_each_worker_sees_only_its_own_device():
     assert all(v[1] == "false" and v[2] == 6.0 for v in views.values())
 
 
+def test_the_embedded_cluster_keeps_dask_housekeeping_off_the_workers_cores():
+    # The profiler off, and each server's event-loop timer every second rather than every
+    # 20 ms, in the scheduler (this process) as in the workers.
+    with dcluster.local_cluster(1) as c, Client(c) as client:
+        import dask
+
+        seen = client.run(lambda: (dask.config.get("distributed.worker.profile.enabled"),
+                                   dask.config.get("distributed.admin.tick.interval")))
+        ticks = client.run(lambda dask_worker: dask_worker.periodic_callbacks["tick"].callback_time)
+        scheduler_tick = c.scheduler.periodic_callbacks["tick"].callback_time
+    assert list(seen.values()) == [(False, "1s")]
+    assert list(ticks.values()) == [1000] and scheduler_tick == 1000
+
+
 def test_more_workers_than_devices_is_refused():
     with pytest.raises(ValueError, match=r"n_workers=3 but only 1 GPUs \(0\).*devices=\[\] for CPU workers"):
         dcluster.local_cluster(3, devices=["0"])
