@@ -126,6 +126,33 @@ def test_local_batches_keep_the_local_fit_rules(tmp_path):
         local_batches([batches[0], 3], 4, 1)
 
 
+def test_an_export_writes_its_files_a_few_at_a_time_in_example_order(tmp_path):
+    from dlspark.data._sources import _EXPORT_THREADS, _save_all
+
+    x = np.arange(103 * 3, dtype=np.float32).reshape(103, 3)
+    y = np.eye(2, dtype=np.float32)[np.arange(103) % 2]
+    writers = set()
+    import dlspark.data._sources as sources
+
+    real = sources.save_dataset
+
+    def spy(*args, **kw):
+        writers.add(threading.current_thread().name)
+        return real(*args, **kw)
+
+    sources.save_dataset = spy
+    try:
+        urls = _save_all(DataSet(x, y).batches(5), str(tmp_path), "part")
+    finally:
+        sources.save_dataset = real
+    assert [u.rsplit("/", 1)[1] for u in urls] == [f"part_{i:06d}.npz" for i in range(21)]
+    back = [load_minibatch(u) for u in urls]
+    np.testing.assert_array_equal(np.concatenate([b.features for b in back]), x)
+    assert 1 < len(writers) <= _EXPORT_THREADS
+    with pytest.raises(TypeError, match="DataSet"):  # the first failed write is raised
+        _save_all([DataSet(x[:5], y[:5]), "not a minibatch"], str(tmp_path / "bad"), "part")
+
+
 def test_context_and_result_reject_bad_values_by_name():
     with pytest.raises(ValueError, match="training_approach must be one of .*got 'copy'"):
         SourceContext(None, 32, "copy")
