@@ -110,6 +110,20 @@ def test_a_flipped_bit_in_a_minibatch_file_is_refused_not_read(tmp_path):
     bad.write_bytes(bytes(raw))
     with pytest.raises(CorruptMinibatchError, match="flipped.npz.*CRC"):
         load_minibatch(str(bad))
+    # Member names are not under the CRC: a changed one must not make an array vanish
+    # (a mask read as absent), nor may a local header name another member than the directory.
+    masked = save_dataset(DataSet(x, y, labels_mask=np.ones(50)), str(tmp_path / "masked.npz"))
+    raw = open(masked, "rb").read()
+    central = raw.rindex(b"labels_mask.npy")
+    renamed = tmp_path / "renamed.npz"
+    renamed.write_bytes(raw[:central] + b"labels_mask.npx" + raw[central + 15:])
+    with pytest.raises(CorruptMinibatchError, match="renamed.npz"):
+        load_minibatch(str(renamed))
+    local = raw.index(b"labels.npy")
+    swapped = tmp_path / "swapped.npz"
+    swapped.write_bytes(raw[:local] + b"labelz.npy" + raw[local + 10:])
+    with pytest.raises(CorruptMinibatchError, match="swapped.npz"):
+        load_minibatch(str(swapped))
 
 
 def test_crashed_write_leaves_no_file_that_a_reader_takes_for_a_minibatch(tmp_path):

@@ -2,14 +2,16 @@
 
 import errno
 import os
+import threading
 import time
 
 import numpy as np
 import optax
 import pytest
-from conftest import kill_at_round
+from conftest import kill_at_round, slow_loader
 
 from dlspark import DistributedTrainer, ParameterAveraging
+from dlspark.data import save_minibatches
 from dlspark.distributed._shared import SharedSlots, SharedViews, available, same_host
 
 pytestmark = pytest.mark.skipif(not available(), reason="memory files (memfd_create, /proc) are Linux's")
@@ -27,6 +29,21 @@ def _held():
         maps = [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
                 for line in f if "memfd:dlspark-" in line]
     return [x for x in fds if "memfd:dlspark-" in x] + maps
+
+
+def _memory_files():
+    """This process's dlspark memory files: ``(inodes it holds a descriptor of, inodes it maps)``
+    (a mapping holds a descriptor too)."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "memfd:dlspark-" in os.readlink(f"/proc/self/fd/{fd}"):
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        mapped = {int(line.split()[4]) for line in f if "memfd:dlspark-" in line}
+    return sorted(held), sorted(mapped)
 
 
 def _held_by_workers(client, timeout=10.0):
@@ -72,6 +89,7 @@ def test_a_reader_lets_go_of_a_file_no_round_has_read_for_a_while():
         a = [np.arange(100, dtype=np.float32)]
         held = views.views(gone.put(0, a), round=0)
         for r in range(1, 4):
+            views.prune(r)
             views.views(live.put(r % 2, a), round=r)
         # round 3 > 0 + keep: the gone peer's file is let go of, but not under a live view
         np.testing.assert_array_equal(held[0], a[0])
@@ -79,6 +97,7 @@ def test_a_reader_lets_go_of_a_file_no_round_has_read_for_a_while():
         gone.close()
         assert [m for m in _held() if "test-gone" in m] == []
         assert len(views.mapped) == 2  # the live peer's two slots
+        views.prune(4)
         views.views(live.put(0, a), round=4)
         assert len(views.mapped) == 2
     finally:
@@ -183,13 +202,37 @@ def jax_leaves(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
-def test_a_killed_worker_leaves_no_segment_behind(client2, make_net, digits):
+def test_a_killed_worker_leaves_no_segment_behind(client2, make_net, digits, tmp_path):
     tr, _ = digits
+    save_minibatches(tr[:576], url=str(tmp_path / "mb"), batch_size=32)
     on_round, killed = kill_at_round(client2, 2)
-    trainer = _fit(client2, make_net, tr, epochs=3, callbacks=[on_round])
-    assert killed.is_set()
-    assert sum(s["minibatches"] for s in trainer.last_fit_stats) == 3 * 18
+    late, seen, after = threading.Event(), {}, []
+
+    def watch(stat):
+        on_round(stat)
+        if killed.is_set():
+            after.append(stat["round"])
+            if len(after) == 8:  # files last read at round 2 or 3 are let go of by round 8
+                late.set()
+
+    net = make_net(updater=optax.adam(1e-2))
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3),
+                                 progress=False)
+    # slow minibatches (0.05 s each) keep the job alive while this thread looks at the workers
+    fit = threading.Thread(target=lambda: seen.setdefault("net", trainer.fit_paths(
+        str(tmp_path / "mb"), epochs=4, loader=slow_loader(0.05), callbacks=[watch])))
+    fit.start()
+    assert late.wait(120)
+    files = client2.run(_memory_files)  # mid-fit, 8 rounds after the kill
+    fit.join(120)
+    assert killed.is_set() and "net" in seen and len(after) > 8  # the job was still running
+    assert sum(s["minibatches"] for s in trainer.last_fit_stats) == 4 * 18
+    # Each worker in the job writes two files and maps its peer's two: the files mapped
+    # anywhere are those of the workers in the job, not the killed one's too. (Python's mmap
+    # keeps a descriptor of what it maps, so descriptors alone cannot tell them apart.)
+    in_job = [w for w, (held, _) in files.items() if held]
+    assert len(set().union(*(mapped for _, mapped in files.values()))) <= 2 * len(in_job), files
     trainer.close()
-    # the survivor lets go of its files and of its mapping of the killed worker's, whose
-    # memory the kernel frees with the last of them
+    # the survivor lets go of its files and of its mappings when the job closes, and the
+    # kernel frees the memory with the last of them
     assert _held_by_workers(client2) == {}

@@ -147,9 +147,10 @@ class SharedViews:
     ``views`` raises ``OSError`` when the file cannot be mapped from here (another host's or
     container's process, a process that is gone, no permission).
 
-    A peer reads a file every ``len(slots)`` rounds; ``views(where, round)`` lets go of the
-    mappings no call has asked for in the last ``keep`` rounds (a peer that left the job,
-    whose memory the kernel frees only once nobody maps it). Call it from one thread."""
+    A peer's file is read every ``len(slots)`` rounds; ``prune(round)``, called each round,
+    lets go of the mappings ``views(where, round)`` has not been asked for in the last
+    ``keep`` rounds (a peer that left the job, whose memory the kernel frees only once
+    nobody maps it). Call both from one thread."""
 
     def __init__(self, keep: int = 4):
         self.mapped: dict = {}  # (pid, fd, identity) -> mmap
@@ -172,10 +173,12 @@ class SharedViews:
             self.mapped[key] = mm
         if round is not None:
             self.used[key] = round
-            for stale in [k for k, r in self.used.items() if r < round - self.keep]:
-                self._close(self.mapped.pop(stale))
-                del self.used[stale]
         return [_view(mm, offset, shape, dt) for offset, shape, dt in where.layout]
+
+    def prune(self, round: int):
+        for stale in [k for k, r in self.used.items() if r < round - self.keep]:
+            self._close(self.mapped.pop(stale))
+            del self.used[stale]
 
     @staticmethod
     def _close(mm):

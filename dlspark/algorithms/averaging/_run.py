@@ -156,6 +156,7 @@ class AveragingRun(WorkerRun):
         leaves enter its own average without a copy; the host ones are served to peers
         (views of the same memory on a CPU device). With two contributors on one host the
         host leaves are also copied into this worker's shared memory, for the peer to read."""
+        self.peer_views.prune(round)  # the files of peers gone a few rounds ago
         leaves = jax.tree_util.tree_leaves(self.state)
         host = [np.asarray(x) for x in leaves]
         if (self.slots is not None and len(contributors) == 2 and self.address in contributors
