@@ -66,10 +66,10 @@ def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60):
     return sum(rates) / len(rates)
 
 
-def _step_loop(kind, batch_size, steps):
-    """``(steps/s, process CPU time per wall time)`` of the plain step (the field's own:
-    ``plain_optax_step``, the same model and updater as ``make_network``), run where this is
-    called: in a fresh pinned process (the baseline) or in a worker (the bound below)."""
+def _plain_loop(kind, batch_size):
+    """``run(steps) -> (steps/s, process CPU time per wall time)`` of the plain step (the
+    field's own: ``plain_optax_step``, the same model and updater as ``make_network``),
+    compiled and warmed here."""
     import time
 
     import jax
@@ -79,17 +79,75 @@ def _step_loop(kind, batch_size, steps):
     x, y = np.asarray(ds.features), np.asarray(ds.labels)
     tx = make_network(kind).updater
     step = plain_optax_step(model, tx)
-    params = model.init(jax.random.PRNGKey(0), x[:1])
-    opt = tx.init(params)
-    for _ in range(5):
-        params, opt, loss = step(params, opt, x, y)
-    loss.block_until_ready()
-    c0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        params, opt, loss = step(params, opt, x, y)
-    loss.block_until_ready()
-    wall = time.perf_counter() - t0
-    return steps / wall, (time.process_time() - c0) / wall
+    held = {"params": model.init(jax.random.PRNGKey(0), x[:1])}
+    held["opt"] = tx.init(held["params"])
+
+    def run(steps):
+        params, opt = held["params"], held["opt"]
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            params, opt, loss = step(params, opt, x, y)
+        loss.block_until_ready()
+        wall = time.perf_counter() - t0
+        held["params"], held["opt"] = params, opt
+        return steps / wall, (time.process_time() - c0) / wall
+
+    run(5)
+    return run
+
+
+def _step_loop(kind, batch_size, steps):
+    """The plain step's ``(steps/s, CPU per wall)`` over ``steps``, run where this is called: in a
+    fresh pinned process (the baseline) or in a worker (the bound below)."""
+    return _plain_loop(kind, batch_size)(steps)
+
+
+def _serve_plain_loop(kind, batch_size):
+    """A baseline process's loop: for each number of steps read from stdin, run them and print
+    ``steps/s CPU-per-wall``."""
+    run = _plain_loop(kind, batch_size)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(*run(int(line)), flush=True)
+
+
+class PlainProcess:
+    """The baseline kept warm between measurements: one process pinned to ``core`` with the
+    plain step compiled, asked for a rate whenever the caller likes (between the segments of
+    a job, so that the baseline and the job see the machine at the same minutes).
+
+    >>> with PlainProcess("mlp", 160) as plain:  # doctest: +SKIP
+    ...     rate, cpu_per_wall = plain.rate(60)
+    """
+
+    def __init__(self, kind, batch_size, core=0):
+        code = textwrap.dedent(f"""
+            import os, sys
+            os.sched_setaffinity(0, {{{core}}})  # before JAX starts: its CPU pool sizes itself to the cores
+            sys.path.insert(0, {os.path.dirname(__file__)!r})
+            from _common import _serve_plain_loop
+            _serve_plain_loop({kind!r}, {batch_size})
+        """)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the baseline process did not start")
+
+    def rate(self, steps=60):
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        rate, cpu = map(float, self.proc.stdout.readline().split())
+        return rate, cpu
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def in_cluster_steps_per_second(client, kind, batch_size, steps=150):

@@ -3,7 +3,9 @@
 efficiency = (steps/s of one worker inside the job) / (steps/s of the plain
 jitted optax step of the same model and updater, ``_common.plain_optax_step``,
 in a plain process pinned to one core). Each worker is pinned to
-one core too. Both sides are measured in the same run. A second figure,
+one core too. Both sides are measured in the same run, interleaved: the job
+runs in four segments, and each divides by the baseline timed just before
+and just after it; the figure is the median segment, with the range. A second figure,
 ``efficiency_vs_concurrent``, divides by plain processes run side by side on
 the workers' cores, so that the machine is as loaded as during the job. A
 third, ``cluster_bound``, is the same plain step run as a task in both workers
@@ -18,15 +20,22 @@ import timeit
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import (in_cluster_steps_per_second, make_data, make_master, make_network,  # noqa: E402
-                     plain_concurrent_steps_per_second, plain_steps_per_second)
+from _common import (PlainProcess, in_cluster_steps_per_second, make_data, make_master, make_network,  # noqa: E402
+                     plain_concurrent_steps_per_second)
 
 #: network -> minibatch size giving a plain step of roughly 10-13 ms on one core here
 BATCH = {"mlp": 160, "cnn": 16}
 FREQ = 5
 
 
-def measure(kind="mlp", n_rounds=40, workers=2, freq=FREQ, approach="export", algorithm="averaging"):
+def measure(kind="mlp", n_rounds=80, workers=2, freq=FREQ, approach="export", algorithm="averaging", segments=4):
+    """The job runs as ``segments`` fits of ``n_rounds / segments`` rounds on one trainer; a warm
+    baseline process (:class:`_common.PlainProcess`, pinned to the first worker's core and idle
+    meanwhile) is timed before the first and after each. Each segment's efficiency divides by
+    the mean of the baseline just before and just after it, since this machine's speed drifts
+    by 10% within a minute; ``efficiency`` is their median, with their range beside it."""
+    import statistics
+
     from distributed import Client
 
     import dlspark
@@ -34,35 +43,42 @@ def measure(kind="mlp", n_rounds=40, workers=2, freq=FREQ, approach="export", al
     from dlspark.distributed._worker import DlsparkWorkerPlugin
 
     batch = BATCH[kind]
-    data = make_data(batch * freq * workers * n_rounds, kind)
-    # The baseline is measured before and after the job and averaged: the
-    # machine is shared, and its speed drifts within a run.
-    before, _ = plain_steps_per_second(kind, batch)
-    with local_cluster(workers) as cluster, Client(cluster) as client:
+    data = make_data(batch * freq * workers * (n_rounds // segments), kind)
+    with PlainProcess(kind, batch) as plain, local_cluster(workers) as cluster, Client(cluster) as client:
         client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers, cores_per_worker=1))
         net = make_network(kind)
         sharing = {"steps_per_round": 4 * freq} if algorithm == "sharing" else {}
         master = make_master(algorithm, batch, freq, approach, **sharing)
         trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
         # A short fit first warms the worker processes (compilation, first-touch page
-        # faults of their memory), as the plain baseline's first steps do.
+        # faults of their memory), as the baseline's first steps do.
         trainer.fit(make_data(batch * freq * workers * 4, kind))
-        trainer.fit(data)
-        stats = trainer.last_fit_stats[2:]  # rounds 1-2 of a job include its set-up
-        steps = sum(s["minibatches"] for s in stats) / workers
-        wall = sum(s["round_time"] for s in stats)
-        fit = sum(max(s["worker_fit_time"].values()) for s in stats)
-        avg = sum(s["avg_time"] for s in stats)
-        fetch = sum(s["fetch_time"] for s in stats)
+        plain_rates, cpu = [plain.rate()[0]], []
+        ratios, steps, wall, fit, avg, fetch = [], 0.0, 0.0, 0.0, 0.0, 0.0
+        for _ in range(segments):
+            trainer.fit(data)
+            stats = trainer.last_fit_stats[2:]  # rounds 1-2 of a job include its set-up
+            seg_steps = sum(s["minibatches"] for s in stats) / workers
+            seg_wall = sum(s["round_time"] for s in stats)
+            rate, c = plain.rate()
+            plain_rates.append(rate)
+            cpu.append(c)
+            ratios.append(seg_steps / seg_wall / ((plain_rates[-2] + plain_rates[-1]) / 2))
+            steps, wall = steps + seg_steps, wall + seg_wall
+            fit += sum(max(s["worker_fit_time"].values()) for s in stats)
+            avg += sum(s["avg_time"] for s in stats)
+            fetch += sum(s["fetch_time"] for s in stats)
         trainer.close()
         bound = in_cluster_steps_per_second(client, kind, batch)
     job_rate = steps / wall
-    after, cpu = plain_steps_per_second(kind, batch)
-    plain_rate = (before + after) / 2
+    plain_rate = statistics.mean(plain_rates)
     concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(workers)))
-    return {"algorithm": algorithm, "network": kind, "params": net.num_params, "job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": job_rate / plain_rate,
+    return {"algorithm": algorithm, "network": kind, "params": net.num_params, "job_steps_per_s": job_rate,
+            "plain_steps_per_s": plain_rate, "efficiency": statistics.median(ratios),
+            "efficiency_min": min(ratios), "efficiency_max": max(ratios),
             "efficiency_vs_concurrent": job_rate / concurrent, "cluster_bound": bound / plain_rate,
-            "plain_step_ms": 1000 / plain_rate, "plain_drift": after / before, "plain_cpu_per_wall": cpu,
+            "plain_step_ms": 1000 / plain_rate, "plain_drift": max(plain_rates) / min(plain_rates),
+            "plain_cpu_per_wall": statistics.mean(cpu),
             "fit_share": fit / wall, "avg_share": avg / wall, "fetch_share": fetch / wall}
 
 
