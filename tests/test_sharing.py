@@ -196,3 +196,28 @@ def test_the_decoded_sum_reaches_a_cpu_device_without_a_copy():
         assert total.ctypes.data % 64 == 0
         device = jax.dlpack.from_dlpack(total)
         assert device.unsafe_buffer_pointer() == total.ctypes.data
+
+
+@pytest.mark.parametrize("algorithm", ["averaging", "sharing"])
+def test_a_job_compiles_each_of_its_steps_once(client2, make_net, digits, algorithm):
+    # Every array a worker's jitted steps take must look the same to jit in every round (on
+    # one device, committed alike): a state that changes kind between steps or rounds (a
+    # restored state, an epoch counter set from Python, a vector from from_dlpack) compiles
+    # the steps again, inside the timed rounds of a fit.
+    import collections
+
+    from dlspark import ParameterAveraging
+
+    tr, _ = digits
+    master = (ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, collect_training_stats=True)
+              if algorithm == "averaging" else
+              GradientSharing(batch_size_per_worker=32, steps_per_round=2, collect_training_stats=True))
+    net = make_net(MLP(hidden=24), updater=optax.adam(1e-2))  # a network no earlier test compiled
+    trainer = DistributedTrainer(client2, net, master, progress=False)
+    trainer.fit(tr[:384])  # 12 minibatches: 3 rounds of 2 workers x 2
+    steps = {"jit(bare_step)", "jit(copy_state)", "jit(all_finite)", "jit(_mean)",
+             "jit(flat_update)", "jit(apply_flat)", "jit(add_flat)"}
+    compiled = collections.Counter((e["worker"], e["function"]) for e in trainer.training_stats.events
+                                   if e["phase"] == "compile" and e.get("function") in steps)
+    assert compiled and set(compiled.values()) == {1}, compiled
+    trainer.close()

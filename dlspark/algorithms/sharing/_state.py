@@ -67,6 +67,10 @@ class SharingState:
         # backend by name would fail where JAX was started on accelerators only)
         device = next(iter(flat.devices()))
         self.in_place = len(flat.devices()) == 1 and device.platform == "cpu" and device.id == 0
+        # The steps take the state committed to this device, every round: a vector from
+        # from_dlpack is committed, and a state that is committed in one round but not in
+        # another (after a restore, an epoch counter set from Python) compiles them again.
+        self.device = device if len(flat.devices()) == 1 else None
         self.tstate = job.spec.algorithm_state.get("threshold_state") or self.algo.init()
         self.step = 0  # this worker's message counter
         self.lock = threading.Condition()
@@ -166,7 +170,7 @@ class SharingState:
         job = self.job
         losses, stats, nbytes, examples = [], [], 0, 0
         stale_wait = 0.0
-        state = job.state
+        state = job.state if self.device is None else jax.device_put(job.state, self.device)
         rec = job.stats
         for done, (n_examples, batch) in enumerate(batches):
             stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
