@@ -198,7 +198,7 @@ def test_the_decoded_sum_reaches_a_cpu_device_without_a_copy():
         assert device.unsafe_buffer_pointer() == total.ctypes.data
 
 
-@pytest.mark.parametrize("algorithm", ["averaging", "sharing"])
+@pytest.mark.parametrize("algorithm", ["averaging", "averaging, fused, outer, no updater saved", "sharing"])
 def test_a_job_compiles_each_of_its_steps_once(client2, make_net, digits, algorithm):
     # Every array a worker's jitted steps take must look the same to jit in every round (on
     # one device, committed alike): a state that changes kind between steps or rounds (a
@@ -211,11 +211,14 @@ def test_a_job_compiles_each_of_its_steps_once(client2, make_net, digits, algori
     tr, _ = digits
     master = (ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, collect_training_stats=True)
               if algorithm == "averaging" else
+              ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, collect_training_stats=True,
+                                 fused_steps=True, save_updater=False, outer_updater=optax.sgd(0.7, momentum=0.9))
+              if algorithm.startswith("averaging") else
               GradientSharing(batch_size_per_worker=32, steps_per_round=2, collect_training_stats=True))
     net = make_net(MLP(hidden=24), updater=optax.adam(1e-2))  # a network no earlier test compiled
     trainer = DistributedTrainer(client2, net, master, progress=False)
     trainer.fit(tr[:384])  # 12 minibatches: 3 rounds of 2 workers x 2
-    steps = {"jit(bare_step)", "jit(copy_state)", "jit(all_finite)", "jit(_mean)",
+    steps = {"jit(bare_step)", "jit(bare_steps)", "jit(copy_state)", "jit(all_finite)", "jit(_mean)", "jit(<lambda>)",
              "jit(flat_update)", "jit(apply_flat)", "jit(add_flat)"}
     compiled = collections.Counter((e["worker"], e["function"]) for e in trainer.training_stats.events
                                    if e["phase"] == "compile" and e.get("function") in steps)
