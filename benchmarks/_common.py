@@ -121,15 +121,8 @@ class PlainProcess:
     """
 
     def __init__(self, kind, batch_size, core=0):
-        code = textwrap.dedent(f"""
-            import os, sys
-            os.sched_setaffinity(0, {{{core}}})  # before JAX starts: its CPU pool sizes itself to the cores
-            sys.path.insert(0, {os.path.dirname(__file__)!r})
-            from _common import _serve_plain_loop
-            _serve_plain_loop({kind!r}, {batch_size})
-        """)
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(*_pinned_call(core, f"_serve_plain_loop({kind!r}, {batch_size})"),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the baseline process did not start")
 
@@ -163,15 +156,21 @@ def in_cluster_steps_per_second(client, kind, batch_size, steps=150):
     return sum(rates) / len(rates)
 
 
-def _plain_command(kind, batch_size, steps, core):
+def _pinned_call(core, call):
+    """``Popen`` arguments for a fresh Python pinned to ``core`` that runs ``call``, a statement
+    over this module's step loops."""
     code = textwrap.dedent(f"""
         import os, sys
         os.sched_setaffinity(0, {{{core}}})  # before JAX starts: its CPU pool sizes itself to the cores
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from _common import _step_loop
-        print(*_step_loop({kind!r}, {batch_size}, {steps}))
+        from _common import _serve_plain_loop, _step_loop  # noqa: F401
+        {call}
     """)
     return ([sys.executable, "-c", code],)
+
+
+def _plain_command(kind, batch_size, steps, core):
+    return _pinned_call(core, f"print(*_step_loop({kind!r}, {batch_size}, {steps}))")
 
 
 def make_master(algorithm, batch, frequency=5, approach="export", **sharing):
