@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .algorithms.sharing._encoding import EMPTY, decode_into, encode_scratch, threshold_encode
-from .algorithms.sharing._state import _sharing_functions
+from .algorithms.sharing._state import sharing_functions
 from .algorithms.sharing._thresholds import ResidualClipping, threshold_meta
 from .algorithms.sharing._xla import encode_on_device_jit, message_bytes, sparsity_of
 from .checkpoint import fit_checkpoint_bytes
@@ -120,12 +120,8 @@ class _Replicas:
         self.devices = wrapper.devices
         self.encoder = encoder
         self.algo, self.post = master.threshold_algorithm, master.residual_post_processor
-        flat, unravel = ravel_pytree(net.state.params)
-        self.n = int(flat.size)
-        fns = getattr(net, "_sharing_fns", None)
-        if fns is None:
-            fns = net._sharing_fns = _sharing_functions(net.steps, unravel)
-        self.flat_update, self.apply_flat, self.add_flat = fns
+        self.n = int(ravel_pytree(net.state.params)[0].size)
+        self.flat_update, self.apply_flat, self.add_flat = sharing_functions(net)
         # each replica's RNG as the cluster's worker of that rank has it: a checkpoint's saved
         # stream for its position, else a fold of rank 0's
         rngs = [net.state.rng] + [jax.random.fold_in(net.state.rng, r) for r in range(1, len(self.devices))]
@@ -161,14 +157,17 @@ class _Replicas:
     def step(self, batches, on_bad):
         """Fit one minibatch per device (``None``: that device has none this step); returns
         ``(losses, examples, bytes sent, thresholds, sparsities)`` of the devices that trained."""
-        outs = [None if b is None else self.flat_update(self.states[i], b[1]) for i, b in enumerate(batches)]
+        outs = [None if b is None else self.flat_update(self.states[i], self.states[i].opt_state, b[1])
+                for i, b in enumerate(batches)]
         finite = jax.device_get([None if o is None else o[5] for o in outs])
         active = []
         for i, o in enumerate(outs):
             if o is None:
                 continue
             if not finite[i]:
-                on_bad(i, float(o[4]))  # "raise" stops here; "skip" leaves this minibatch out
+                # "raise" stops here (the fit's states are dropped: the step wrote over this
+                # one's updater state); "skip" leaves this minibatch out
+                on_bad(i, float(o[4]))
                 self.states[i] = self.states[i].replace(rng=o[3])  # no replay of the same dropout mask
                 outs[i] = None
                 continue
@@ -179,7 +178,8 @@ class _Replicas:
             if o is None:  # the sum of the others' messages still reaches this replica
                 self.states[i] = self.add_flat(self.states[i], totals[i])
             else:
-                self.states[i] = self.apply_flat(self.states[i], totals[i], o[1], o[2], o[3])
+                self.states[i] = self.apply_flat(self.states[i].replace(opt_state=o[1], model_state=o[2], rng=o[3]),
+                                                 totals[i])
         losses = [float(x) for x in jax.device_get([outs[i][4] for i in active])]
         return losses, sum(batches[i][0] for i in active), sent, ts, sparsities
 

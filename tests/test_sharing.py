@@ -224,3 +224,26 @@ def test_a_job_compiles_each_of_its_steps_once(client2, make_net, digits, algori
                                    if e["phase"] == "compile" and e.get("function") in steps)
     assert compiled and set(compiled.values()) == {1}, compiled
     trainer.close()
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_the_sharing_step_reuses_the_updater_buffers_unless_a_skipped_step_needs_them(make_net, digits, policy):
+    # With Adam a step's new moments are two parameter-sized buffers; written over the old
+    # ones they cost no fresh memory. A network that skips a non-finite step goes on from the
+    # updater state before it, so there the old state must survive the step.
+    from dlspark.algorithms.sharing._state import sharing_functions
+
+    tr, _ = digits
+    net = make_net(MLP(hidden=24), updater=optax.adam(1e-2), on_nonfinite=policy)
+    flat_update, apply_flat, _ = sharing_functions(net)
+    assert sharing_functions(net)[0] is flat_update  # built once per network and policy
+    state = jax.device_put(net.state, jax.devices()[0])
+    old = jax.tree_util.tree_leaves(state.opt_state)
+    expected_step = net.steps.bare_step(jax.tree_util.tree_map(lambda a: a.copy(), state), tr[:32].jit_batch())[0]
+    flat, opt, ms, rng, loss, finite = flat_update(state, state.opt_state, tr[:32].jit_batch())
+    deleted = [a.is_deleted() for a in old if a.size > 1]  # the moments, not Adam's step count
+    assert deleted and deleted == [policy == "raise"] * len(deleted)
+    # the split step applied whole is the fused step (to float rounding: XLA fuses them apart)
+    state = apply_flat(state.replace(opt_state=opt, model_state=ms, rng=rng), flat)
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(expected_step)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
