@@ -101,17 +101,18 @@ def _acc(net, te):
 
 def _run_epochs(train_one_epoch, evaluate, target, max_epochs):
     """Train epoch by epoch; return time and epochs to ``target`` accuracy and the final accuracy."""
-    spent, to_target, acc = 0.0, None, 0.0
+    spent, to_target, acc, times = 0.0, None, 0.0, []
     for e in range(1, max_epochs + 1):
         t0 = time.perf_counter()
         train_one_epoch()
-        spent += time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
+        spent += times[-1]
         acc = evaluate()
         if to_target is None and acc >= target:
             to_target = (spent, e)
     return {"train_time": spent, "time_to_target": to_target[0] if to_target else None,
             "epochs_to_target": to_target[1] if to_target else None, "final_accuracy": acc,
-            "epochs": max_epochs}
+            "epochs": max_epochs, "epoch_times": times}
 
 
 def run_plain(tr, te, target, max_epochs, name):

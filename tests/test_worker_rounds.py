@@ -18,7 +18,7 @@ import cloudpickle
 from dlspark import DistributedTrainer, ParameterAveraging
 from dlspark.algorithms.averaging._messages import AverageOrder, AverageWith
 from dlspark.algorithms.sharing._messages import SyncOrder
-from dlspark.checkpoint import state_from_bytes, state_to_bytes
+from dlspark.checkpoint import state_from_arrays, state_to_arrays
 from dlspark.data import load_minibatch, save_minibatches
 from dlspark.distributed._client import checked, setup_workers
 from dlspark.distributed._messages import FitOrder, JobSpec
@@ -48,7 +48,7 @@ class _DrivenJob:
         master = master or ParameterAveraging(batch_size_per_worker=32)
         DistributedTrainer(client, self.net, master, progress=False)  # installs the plugins
         self.spec = cloudpickle.dumps(JobSpec(self.net.definition(), self.net.token, master, self.urls))
-        self.state = state_to_bytes(self.net.state)
+        self.state = state_to_arrays(self.net.state)
         self.id = uuid.uuid4().hex[:12]
         self.workers = sorted(client.scheduler_info()["workers"])
 
@@ -76,7 +76,7 @@ class _DrivenJob:
         return checked(await self.client.rpc(addr).dlspark_state(job=self.id))["state"]
 
     async def params(self, addr):
-        return _leaves(state_from_bytes(await self.state_of(addr), self.net.state))
+        return _leaves(state_from_arrays(await self.state_of(addr), self.net.state))
 
 
 def test_averaging_again_over_fewer_contributors_starts_from_the_stored_inputs(client3, make_net, digits, tmp_path):
@@ -182,7 +182,7 @@ def test_three_contributors_average_in_shares_with_the_bits_of_the_full_mean(cli
     async def scenario():
         await job.setup(workers)
         fits = await asyncio.gather(*[job.fit(w, 1, [i], workers) for i, w in enumerate(workers)])
-        states = [state_from_bytes(await job.state_of(w), net.state) for w in workers]
+        states = [state_from_arrays(await job.state_of(w), net.state) for w in workers]
         await asyncio.gather(*[job.teardown(w) for w in workers])
         return fits, states
 
@@ -336,7 +336,7 @@ def test_the_final_state_comes_from_the_first_worker_that_can_send_it(client3, m
 
     (source, state), message = client3.sync(scenario)
     assert source == b
-    restored = state_from_bytes(state["state"], job.net.state)
+    restored = state_from_arrays(state["state"], job.net.state)
     assert (int(restored.step), int(restored.epoch)) == (7, 1)
     for x, y in zip(_leaves(restored), _leaves(job.net.state)):
         np.testing.assert_array_equal(x, y)

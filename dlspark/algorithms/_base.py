@@ -100,7 +100,7 @@ class Algorithm:
     def create_driver(self, options: JobOptions) -> RoundDriver:
         raise NotImplementedError
 
-    def create_run_on_worker(self, worker, job: str, spec, state: bytes, rank: int):
+    def create_run_on_worker(self, worker, job: str, spec, state: dict, rank: int):
         raise NotImplementedError
 
     def resume_state(self, meta: dict, url: str, network, storage_options: dict | None = None) -> dict:

@@ -14,8 +14,9 @@ from dataclasses import asdict
 
 import cloudpickle
 import numpy as np
+from distributed.protocol import to_serialize
 
-from ..checkpoint import read_checkpoint_meta, state_from_bytes, state_to_bytes
+from ..checkpoint import read_checkpoint_meta, state_from_arrays, state_to_arrays
 from ..errors import CheckpointError, JobFailedError
 from ._messages import JobOptions, JobSpec
 
@@ -73,14 +74,16 @@ def checked(resp):
     return resp
 
 
-async def setup_workers(client, workers, job, spec: bytes, state: bytes):
-    for r in await asyncio.gather(*[client.rpc(w).dlspark_setup(job=job, spec=spec, state=state, rank=i)
+async def setup_workers(client, workers, job, spec: bytes, state: dict):
+    """Set the job up on ``workers``; ``state``: the train state as :func:`state_to_arrays` gives it."""
+    for r in await asyncio.gather(*[client.rpc(w).dlspark_setup(job=job, spec=spec, state=to_serialize(state), rank=i)
                                     for i, w in enumerate(workers)]):
         checked(r)
 
 
 async def fetch_state(client, worker, job, step, epoch) -> dict:
-    """``{"state": checkpoint bytes, "carried": what the algorithm carries}`` of one worker."""
+    """``{"state": the train state as state_to_arrays gives it, "carried": what the algorithm
+    carries}`` of one worker."""
     return checked(await client.rpc(worker).dlspark_state(job=job, step=step, epoch=epoch))
 
 
@@ -152,7 +155,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     job = uuid.uuid4().hex[:12]
     spec = cloudpickle.dumps(JobSpec(net.definition(), net.token, master, refs, loader, storage_options,
                                      dict(trainer.algorithm_state), worker_rngs, checkpoint_options=storage_options))
-    state = state_to_bytes(net.state)
+    state = state_to_arrays(net.state)
     base_step, base_epoch = net.iteration, net.epoch
     options = JobOptions(epochs=epochs, skip=tuple(skip), base_step=base_step, base_epoch=base_epoch,
                          epochs_total=epochs_total, epochs_done=epochs_done, checkpoint_every=checkpoint_every,
@@ -176,7 +179,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     lost = False
     try:
         st = ClientSide(client, export_span) if master.collect_training_stats else NoClientSide()
-        with st.span("broadcast", bytes=(len(spec) + len(state)) * len(workers)):
+        with st.span("broadcast", bytes=(len(spec) + sum(a.nbytes for a in state["arrays"])) * len(workers)):
             client.sync(setup_workers, client, workers, job, spec, state)
         run = dict(job=job, workers=workers, spec=spec, partitions=partitions, master=cloudpickle.dumps(master),
                    options=asdict(options), client=client.id)
@@ -190,7 +193,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         step, epoch = base_step + result.trained, base_epoch + epochs
         with st.span("fetch_state"):
             source, final = client.sync(fetch_state_from_any, client, list(result.workers), job, step, epoch)
-        net.state = state_from_bytes(final["state"], net.state)
+        net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
         if master.compare_replicas():
             others = [w for w in result.workers if w != source]

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import config
 from .._netcache import cached_network
-from ..checkpoint import fit_checkpoint_bytes, state_from_bytes, state_to_bytes
+from ..checkpoint import fit_checkpoint_bytes, state_from_arrays, state_to_arrays
 from ..data import load_ref
 from ..errors import CorruptMinibatchError
 from ..io import write_bytes
@@ -57,7 +57,7 @@ class WorkerRun:
     ``peer_<op>(**kw)`` coroutines for requests from peers.
     """
 
-    def __init__(self, worker, job: str, spec, state_bytes: bytes, rank: int):
+    def __init__(self, worker, job: str, spec, state: dict, rank: int):
         t_setup = time.time()
         # the job's statistics (dlspark.stats): a recorder that does nothing when they are off
         self.stats = Recorder() if spec.master.collect_training_stats else NULL
@@ -68,7 +68,7 @@ class WorkerRun:
         self.master = spec.master
         self.rank = rank
         self.net = cached_network(spec.definition, spec.network_token)
-        state = state_from_bytes(state_bytes, self.net.state)
+        state = state_from_arrays(state, self.net.state, f"job {job}'s state")
         saved_rngs = spec.worker_rngs or ()
         if rank < len(saved_rngs):  # resumed: this position's RNG when the checkpoint was written
             state = state.replace(rng=jnp.asarray(np.asarray(saved_rngs[rank], dtype=np.asarray(state.rng).dtype)))
@@ -168,8 +168,8 @@ class WorkerRun:
         return Ack()
 
     async def dump_state(self, step=None, epoch=None) -> dict:
-        """The train state as checkpoint bytes (with the counters the client asks for), and
-        what the algorithm carries beside it."""
+        """The train state as :func:`~dlspark.checkpoint.state_to_arrays` gives it (with the
+        counters the client asks for), and what the algorithm carries beside it."""
 
         def dump():
             st = self.state
@@ -177,7 +177,7 @@ class WorkerRun:
                 st = st.replace(step=jnp.asarray(step, jnp.int32))
             if epoch is not None:
                 st = st.replace(epoch=jnp.asarray(epoch, jnp.int32))
-            return state_to_bytes(st), self.carried_state()
+            return state_to_arrays(st), self.carried_state()
 
         state, carried = await self.compute(dump)
         return {"state": state, "carried": carried}

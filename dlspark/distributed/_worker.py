@@ -37,14 +37,15 @@ def pin_process(cores) -> None:
             pass
 
 
-def max_param_difference(state, other_bytes: bytes) -> float:
-    """``max |a - b|`` over the parameters of ``state`` and of the checkpoint bytes ``other_bytes``."""
+def max_param_difference(state, other: dict) -> float:
+    """``max |a - b|`` over the parameters of ``state`` and of ``other`` (a state as
+    :func:`~dlspark.checkpoint.state_to_arrays` gives it)."""
     import jax
     import numpy as np
 
-    from ..checkpoint import state_from_bytes
+    from ..checkpoint import state_from_arrays
 
-    other = state_from_bytes(other_bytes, state)
+    other = state_from_arrays(other, state, "a peer's state")
     worst = 0.0
     for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(other.params)):
         a, b = np.asarray(a), np.asarray(b)
@@ -117,7 +118,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             raise KeyError(f"job {job!r} is not set up on worker {self.worker.address}") from None
 
     # -- handlers ----------------------------------------------------------------
-    async def _setup(self, job: str, spec: bytes, state: bytes, rank: int = 0):
+    async def _setup(self, job: str, spec: bytes, state: dict, rank: int = 0):
         await self._install(job, spec, state, rank)
         return {"reply": None}
 
@@ -157,7 +158,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
     async def _state(self, job: str, step: int | None = None, epoch: int | None = None):
         out = await self._job(job).dump_state(step, epoch)
-        return {"state": out["state"], "carried": to_serialize(out["carried"])}
+        return {"state": to_serialize(out["state"]), "carried": to_serialize(out["carried"])}
 
     async def _divergence(self, job: str, source: str):
         """The largest absolute difference between this replica's parameters and ``source``'s,

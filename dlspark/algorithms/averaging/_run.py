@@ -44,8 +44,8 @@ def _outer_function(net, tx):
 
 
 class AveragingRun(WorkerRun):
-    def __init__(self, worker, job, spec, state_bytes, rank):
-        super().__init__(worker, job, spec, state_bytes, rank)
+    def __init__(self, worker, job, spec, state, rank):
+        super().__init__(worker, job, spec, state, rank)
         self.contributions: dict = {}  # round -> (device leaves, host leaves) after its fit, or None
         self.untouched: dict = {}  # round -> host leaves of a replica with no data that round
         # round -> {(contributors, attempt): [Event, ("OK", averaged share) | ("lost", peer)]}

@@ -22,8 +22,8 @@ __all__ = ["SharingRun"]
 
 
 class SharingRun(WorkerRun):
-    def __init__(self, worker, job, spec, state_bytes, rank):
-        super().__init__(worker, job, spec, state_bytes, rank)
+    def __init__(self, worker, job, spec, state, rank):
+        super().__init__(worker, job, spec, state, rank)
         self.sharing = SharingState(self)
 
     async def _push(self, sender, step, message, targets):
