@@ -44,7 +44,8 @@ WORKER_CONFIG = {
     # Every Dask server (the scheduler, each nanny and worker) wakes every 20 ms to time its
     # own event loop. An idle 2-worker cluster here spent 7.8% of a core on that (4.2% in the
     # scheduler's process, 1.6-2.0% in each worker); at 1 s it spends 1.6% (0.9% and 0.3-0.4%).
-    # A loop blocked longer than the limit (3 s) is still reported.
+    # A loop blocked longer than the limit (3 s) is still reported; since the time from the
+    # last tick counts toward it, so may one blocked for 2 to 3 s (an info line, not an error).
     "distributed.admin.tick.interval": "1s",
 }
 
