@@ -31,11 +31,13 @@ __all__ = ["network_blob", "scatter_network", "do_evaluation", "predict_with_key
 # -- the network, as workers rebuild it ---------------------------------------------
 def network_blob(network, version):
     """What a worker needs to rebuild ``network`` at state ``version``: its token, definition
-    and state, pickled once."""
-    from .checkpoint import state_to_bytes
+    and the part of its state that inference reads (parameters and model state, not the
+    updater's: a third of the bytes with Adam), pickled once."""
+    from ._netcache import inference_part
+    from .checkpoint import state_to_arrays
 
     return cloudpickle.dumps({"token": version, "network": network.token, "definition": network.definition(),
-                              "state": state_to_bytes(network.state)})
+                              "state": state_to_arrays(inference_part(network.state))})
 
 
 def scatter_network(client, network):

@@ -72,28 +72,35 @@ def cached_network(definition: dict, token: str):
         return _entry(definition, token)[0]
 
 
-def network_at(definition: dict, token: str, version: str, state_bytes: bytes):
+def inference_part(state) -> dict:
+    """What inference, evaluation and scoring read of a train state."""
+    return {"params": state.params, "model_state": state.model_state}
+
+
+def network_at(definition: dict, token: str, version: str, state: dict):
     """A view of the cached network ``token`` holding the state ``version``.
 
     The view is a shallow copy: it shares the compiled steps but holds its
     own state, so tasks at different versions never see each other's arrays.
-    ``state_bytes`` (:func:`dlspark.checkpoint.state_to_bytes`) is decoded
-    once per version while the version stays cached.
+    ``state`` is :func:`inference_part` of the client's state as
+    :func:`dlspark.checkpoint.state_to_arrays` gives it, decoded (and checked
+    against the network) once per version while the version stays cached.
     """
     with _LOCK:
         net, states = _entry(definition, token)
-        state = states.get(version)
-        if state is None:
-            from .checkpoint import state_from_bytes
+        found = states.get(version)
+        if found is None:
+            from .checkpoint import state_from_arrays
 
             size = _bound("worker.state-cache-size")
             while len(states) >= size:
                 states.popitem(last=False)
-            state = states[version] = state_from_bytes(state_bytes, net.state)
+            part = state_from_arrays(state, inference_part(net.state), f"network {token}'s state {version}")
+            found = states[version] = net.state.replace(**part)
         else:
             states.move_to_end(version)
     view = copy.copy(net)
-    view.state = state
+    view.state = found
     return view
 
 

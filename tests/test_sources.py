@@ -3,6 +3,7 @@
 import threading
 
 import dask
+import jax
 import numpy as np
 import pytest
 
@@ -300,9 +301,10 @@ def test_one_network_per_token_across_threads(definition):
 
 
 def test_state_versions_are_cached_per_network_and_bounded(definition, make_net):
-    from dlspark.checkpoint import state_to_bytes
+    from dlspark.checkpoint import state_to_arrays
 
-    raw = state_to_bytes(make_net(seed=3).state)
+    raw = state_to_arrays(_netcache.inference_part(make_net(seed=3).state))
+    assert len(raw["arrays"]) == len(jax.tree_util.tree_leaves(make_net().state.params))  # no updater state
     with dask.config.set({"dlspark.worker.state-cache-size": 2}):
         v1 = _netcache.network_at(definition, "n", "v1", raw)
         assert _netcache.network_at(definition, "n", "v1", raw).state is v1.state
@@ -316,3 +318,28 @@ def test_state_versions_are_cached_per_network_and_bounded(definition, make_net)
     x = np.random.default_rng(1).random((2, 64)).astype(np.float32)
     np.testing.assert_allclose(v1.output(x), make_net(seed=3).output(x), rtol=1e-6)
     assert not np.allclose(net.output(x), v1.output(x))
+
+
+def test_a_worker_rebuilds_what_inference_reads_from_the_blob(make_net, digits):
+    # Inference, evaluation and scoring read the parameters and the model state (here a
+    # batch norm's running statistics), never the updater's: the blob carries those two.
+    import cloudpickle
+    from conftest import BNNet
+
+    from dlspark._inference import _network, network_blob
+
+    tr, _ = digits
+    net = make_net(BNNet())
+    net.fit(tr[:256], batch_size=64)
+    _netcache.clear()
+    try:
+        blob = network_blob(net, "v1")
+        shipped = cloudpickle.loads(blob)["state"]
+        assert len(shipped["arrays"]) == len(jax.tree_util.tree_leaves((net.state.params, net.state.model_state)))
+        view = _network(blob)
+        for a, b in zip(jax.tree_util.tree_leaves(view.state.model_state), jax.tree_util.tree_leaves(net.state.model_state)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(view.output(tr.features[:32]), net.output(tr.features[:32]))
+        assert view.score(tr[:64]) == pytest.approx(net.score(tr[:64]), rel=1e-6)
+    finally:
+        _netcache.clear()
