@@ -7,6 +7,11 @@ plain loop takes numpy minibatches as they come, as a user's loop would.
 Each round times one epoch of each contender, in alternating order; the figure
 is the median of the per-round ratios (``Network.fit`` time over plain time).
 
+``Network.fit`` runs by default 16 minibatches of one shape per compiled call (a
+rolled ``lax.scan``; ``steps_per_call``), which the plain loop, one call per
+step as the field writes it, does not; the third figure, ``fit`` with
+``steps_per_call=1``, is the per-step path's own cost against the same loop.
+
     python benchmarks/bench_fit_overhead.py          # prints the medians and spreads
 """
 
@@ -62,29 +67,33 @@ def _setup():
         net.fit(tr, batch_size=BATCH)
         jax.block_until_ready(net.state)
 
-    for fn in (plain_epoch, fit_list, fit_dataset):  # compile every shape, warm the caches
+    def fit_per_step():
+        net.fit(ds_batches, steps_per_call=1)
+        jax.block_until_ready(net.state)
+
+    for fn in (plain_epoch, fit_list, fit_dataset, fit_per_step):  # compile every shape, warm the caches
         fn()
         fn()
-    return plain_epoch, fit_list, fit_dataset
+    return plain_epoch, fit_list, fit_dataset, fit_per_step
 
 
 def measure(rounds=15):
-    """Per-round ratios of ``Network.fit`` (a list of DataSets; one DataSet with ``batch_size``)
-    over the plain loop, one epoch each."""
+    """Per-round ratios of ``Network.fit`` (a list of DataSets; one DataSet with ``batch_size``;
+    the list with one call per step) over the plain loop, one epoch each."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
-    plain, fit_list, fit_dataset = _setup()
-    out = {"list": [], "dataset": [], "plain_us_per_step": []}
+    plain, fit_list, fit_dataset, fit_per_step = _setup()
+    out = {"list": [], "dataset": [], "per_step": [], "plain_us_per_step": []}
     steps = None
     for r in range(rounds):
         timings = {}
-        order = [("plain", plain), ("list", fit_list), ("dataset", fit_dataset)]
+        order = [("plain", plain), ("list", fit_list), ("dataset", fit_dataset), ("per_step", fit_per_step)]
         for name, fn in (order if r % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
             fn()
             timings[name] = time.perf_counter() - t0
-        out["list"].append(timings["list"] / timings["plain"])
-        out["dataset"].append(timings["dataset"] / timings["plain"])
+        for name in ("list", "dataset", "per_step"):
+            out[name].append(timings[name] / timings["plain"])
         if steps is None:
             import dlspark
             steps = -(-len(dlspark.datasets.digits()[0]) // BATCH)
@@ -108,10 +117,13 @@ class NetworkFitOverhead:
     def track_fit_dataset_over_plain(self, results):
         return statistics.median(results["dataset"])
 
+    def track_fit_one_call_per_step_over_plain(self, results):
+        return statistics.median(results["per_step"])
+
 
 if __name__ == "__main__":
     res = measure()
-    for k in ("list", "dataset"):
+    for k in ("list", "dataset", "per_step"):
         v = sorted(res[k])
         print(f"Network.fit ({k}) / plain loop: median {statistics.median(v):.3f}, range {v[0]:.3f}-{v[-1]:.3f}")
     us = sorted(res["plain_us_per_step"])

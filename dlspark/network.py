@@ -23,6 +23,12 @@ _ON_NONFINITE = ("raise", "skip")
 #: about as much as ten small steps on one core (benchmarks/bench_fit_overhead.py). The
 #: window's minibatches stay referenced until it is checked (to replay it from its start).
 _SYNC_EVERY = 128
+#: fit's default number of minibatches per compiled call (``steps_per_call=None``) where it
+#: fuses them: a rolled loop compiles as one step does, whatever this count
+_FUSE_STEPS = 16
+#: ...and the most bytes of one minibatch it fuses: past this a step is not dispatch-bound and
+#: stacking would only copy
+_FUSE_MAX_BYTES = 1 << 20
 
 
 @struct.dataclass
@@ -66,7 +72,12 @@ class Steps(NamedTuple):
     they started from. ``window_end(state, losses, epochs) -> (state, copy of
     state, finite, stacked losses)`` is that check for ``Network.fit``'s
     windows; it also adds ``epochs`` to the epoch counter and copies the state
-    for the next window.
+    for the next window; ``window_close(state, epochs) -> (state, copy of state,
+    finite)`` is the same without the losses, for a window whose losses are
+    read back as they are. ``loop_steps(state, batches) -> (state, losses)``
+    is ``bare_steps`` as a rolled loop: it compiles once whatever the number of
+    minibatches, and runs a dispatch-bound step faster than one call per step
+    (but XLA's CPU backend runs convolutions in it many times slower).
     ``copy_state(state)`` copies the state (the steps donate theirs).
     """
 
@@ -84,6 +95,8 @@ class Steps(NamedTuple):
     all_finite: Callable
     window_end: Callable
     copy_state: Callable
+    window_close: Callable
+    loop_steps: Callable
 
 
 def _resolve_losses(loss):
@@ -173,6 +186,10 @@ def build_steps(model, loss, updater) -> Steps:
         state = state.replace(epoch=state.epoch + epochs)
         return state, copy_state(state), all_finite(state), jnp.stack(losses)
 
+    def window_close(state, epochs):
+        state = state.replace(epoch=state.epoch + epochs)
+        return state, copy_state(state), all_finite(state)
+
     def checked_step(state, batch):
         updates, opt, mstate, rng, value = compute_update(state, batch)
         return apply_update(state, updates, opt, mstate, rng), value, finite(value, updates)
@@ -191,6 +208,9 @@ def build_steps(model, loss, updater) -> Steps:
 
     def bare_steps(state, batches):
         return jax.lax.scan(bare_step, state, batches, unroll=True)
+
+    def loop_steps(state, batches):
+        return jax.lax.scan(bare_step, state, batches)
 
     def all_finite(state):
         return all_leaves_finite([x for x in jax.tree_util.tree_leaves(state.params)
@@ -231,8 +251,19 @@ def build_steps(model, loss, updater) -> Steps:
         all_finite=jax.jit(all_finite),
         window_end=jax.jit(window_end, donate_argnums=(0,)),
         copy_state=jax.jit(copy_state),
+        window_close=jax.jit(window_close, donate_argnums=(0,)),
+        loop_steps=jax.jit(loop_steps, donate_argnums=(0,)),
     )
     return steps
+
+
+def _batch_signature(batch):
+    """What must agree for minibatches to stack: every array's shape and dtype."""
+    x, y, fm, lm = batch
+    if type(x) is np.ndarray and type(y) is np.ndarray and fm is None and lm is None:
+        return x.shape, x.dtype, y.shape, y.dtype  # the common case, without a tree walk
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    return treedef, tuple((np.shape(a), np.result_type(a)) for a in leaves)
 
 
 def _to_device_batch(ds):
@@ -393,7 +424,8 @@ class Network:
 
         return local_batches(data, batch_size, epochs)
 
-    def fit(self, data, epochs: int = 1, batch_size: int = 32, shuffle: bool = False, progress: bool = False):
+    def fit(self, data, epochs: int = 1, batch_size: int = 32, shuffle: bool = False, progress: bool = False,
+            steps_per_call: int | None = None):
         """Train locally.
 
         Parameters
@@ -408,6 +440,16 @@ class Network:
         shuffle : bool
             Shuffle minibatch order each epoch, seeded by the network's seed and
             epoch counter (so a resumed run shuffles as an uninterrupted one).
+        steps_per_call : int, optional
+            Run up to this many consecutive minibatches of one shape as one
+            compiled call (a rolled ``lax.scan`` over them, stacked), with the
+            bits of one call per minibatch; ``1`` is one call per minibatch.
+            It pays where a step is short enough for Python's dispatch to
+            show (a small network, small minibatches). ``None`` (the default)
+            fuses 16 when the step has no convolution (XLA's CPU backend runs
+            a convolution in a loop many times slower) and a minibatch holds
+            at most 1 MiB, and otherwise 1. The fused loop is one more program
+            to compile for the first fit on such minibatches.
 
         Returns
         -------
@@ -416,29 +458,65 @@ class Network:
         """
         if not isinstance(epochs, (int, np.integer)) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        if steps_per_call is not None and (not isinstance(steps_per_call, (int, np.integer))
+                                           or isinstance(steps_per_call, bool) or steps_per_call < 1):
+            raise ValueError(f"steps_per_call must be a positive integer or None (chosen per network), "
+                             f"got {steps_per_call!r}")
         batches, are_urls = self._minibatches(data, batch_size, epochs)
         bar = None
         if progress:
             from tqdm.auto import tqdm
             bar = tqdm(total=epochs * len(batches) if hasattr(batches, "__len__") else None, unit="batch")
-        window: list = []  # (minibatch, loss on the device) of the steps since the last check
+        # (minibatches, their losses on the device: one, or one per minibatch of a fused call)
+        # of the steps since the last check
+        window: list = []
+        in_window = 0
         start, first = self._window_start(), int(self.state.step)  # a copy of the window's first state
+        fuse = steps_per_call
+
+        def run(group):
+            nonlocal in_window, first, start
+            # No host sync per step: steps queue up on the device while Python prepares
+            # the next ones, and are checked and read back every _SYNC_EVERY steps.
+            if len(group) == 1:
+                self.state, loss = self.steps.bare_step(self.state, group[0])
+            else:
+                stacked = jax.tree_util.tree_map(lambda *a: np.stack(a), *group)
+                self.state, loss = self.steps.loop_steps(self.state, stacked)
+            window.append((group, loss))
+            in_window += len(group)
+            if in_window >= _SYNC_EVERY:
+                first, start = self._settle(window, start, first, bar, epochs=0, fused=fuse > 1)
+                in_window = 0
+
         try:
             for _ in range(epochs):
                 order = list(batches) if hasattr(batches, "__len__") else batches
                 if shuffle and hasattr(batches, "__len__"):
                     perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(order))
                     order = [order[i] for i in perm]
+                pending, kind = [], None  # consecutive minibatches of one shape, not yet run
                 for mb in order:
                     batch = self._device_batch(load_minibatch(mb) if are_urls else mb)
-                    # No host sync per step: steps queue up on the device while Python prepares
-                    # the next ones, and are checked and read back every _SYNC_EVERY steps.
-                    self.state, loss = self.steps.bare_step(self.state, batch)
-                    window.append((batch, loss))
-                    if len(window) == _SYNC_EVERY:
-                        first, start = self._settle(window, start, first, bar, epochs=0)
+                    if fuse is None:
+                        fuse = self._fused_steps(batch)
+                    if fuse == 1:
+                        run([batch])
+                        continue
+                    sig = _batch_signature(batch)
+                    if sig != kind:
+                        for b in pending:
+                            run([b])
+                        pending, kind = [], sig
+                    pending.append(batch)
+                    if len(pending) == fuse:
+                        run(pending)
+                        pending = []
+                for b in pending:
+                    run([b])
                 if window:
-                    first, start = self._settle(window, start, first, bar, epochs=1)
+                    first, start = self._settle(window, start, first, bar, epochs=1, fused=fuse > 1)
+                    in_window = 0
                 else:  # each its own array: the state's are donated to the next step
                     self.state = self.state.replace(epoch=self.state.epoch + 1)
                     start = start.replace(epoch=start.epoch + 1)
@@ -447,6 +525,17 @@ class Network:
             if bar is not None:
                 bar.close()
         return self
+
+    def _fused_steps(self, batch) -> int:
+        """``fit``'s default steps per call for minibatches like ``batch`` (see ``fit``)."""
+        if sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(batch)) > _FUSE_MAX_BYTES:
+            return 1
+        convolves = self.__dict__.get("_convolves")
+        if convolves is None:
+            # once per network; the step's trace is cached for its first call
+            jaxpr = self.steps.bare_step.trace(self.state, batch).jaxpr
+            convolves = self._convolves = "conv_general_dilated" in str(jaxpr)
+        return 1 if convolves else _FUSE_STEPS
 
     def _window_start(self):
         """A copy of the state, to replay a window from: the one the last fit left when the
@@ -463,8 +552,8 @@ class Network:
         # for a fraction of what a jnp.asarray per array costs in Python
         return batch
 
-    def _settle(self, window, start, first, bar, epochs):
-        """Check and read back the bare steps of ``window`` (one transfer) and record their losses.
+    def _settle(self, window, start, first, bar, epochs, fused=False):
+        """Check and read back the bare steps of ``window`` and record their losses.
 
         When a loss, or the parameters at the window's end, are not finite, the window is
         replayed from ``start`` (the state before it; the steps are deterministic) under
@@ -472,16 +561,26 @@ class Network:
         raises, leaving the parameters from before it; "skip" redoes the window with
         ``train_step``, which leaves the state unchanged by a bad step. Adds ``epochs``
         to the epoch counter and empties ``window``; returns the iteration of the next
-        step and the next window's start.
+        step and the next window's start. A ``fused`` fit reads its windows back with
+        ``window_close`` (whether or not this one fused any steps, so that a fit that
+        has met a shape compiles nothing new for it wherever it falls).
         """
-        batches, losses = zip(*window)
-        n = len(window)
+        batches = [b for group, _ in window for b in group]
+        n = len(batches)
+        if not fused:
+            # one loss per call: always _SYNC_EVERY of them (the last repeated), so that one
+            # program serves every window and reads them back in one transfer
+            losses = [loss for _, loss in window]
+            self.state, following, ok, losses = self.steps.window_end(
+                self.state, losses + losses[-1:] * (_SYNC_EVERY - n), epochs)
+            losses, ok = jax.device_get((losses, ok))
+            losses = losses[:n]
+        else:  # mostly fused calls: a few arrays of losses, read back as they are
+            losses = [loss for _, loss in window]
+            self.state, following, ok = self.steps.window_close(self.state, epochs)
+            losses, ok = jax.device_get((losses, ok))
+            losses = np.concatenate([np.reshape(x, -1) for x in losses])
         window.clear()
-        # always _SYNC_EVERY losses (the last repeated), so that one program serves every window
-        self.state, following, ok, losses = self.steps.window_end(
-            self.state, losses + losses[-1:] * (_SYNC_EVERY - n), epochs)
-        losses, ok = jax.device_get((losses, ok))
-        losses = losses[:n]
         oks = np.isfinite(losses)
         if not (ok and oks.all()):
             self.state = self.steps.copy_state(start)  # train_step donates what it is given

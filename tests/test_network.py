@@ -235,9 +235,11 @@ def test_skip_mid_window_replays_the_window_and_leaves_out_only_the_bad_step(mak
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
-def test_a_non_finite_step_in_a_later_window_is_replayed_from_that_window_s_start(make_net, digits):
+@pytest.mark.parametrize("steps_per_call", [None, 1])
+def test_a_non_finite_step_in_a_later_window_is_replayed_from_that_window_s_start(make_net, digits, steps_per_call):
     # A window is replayed from the copy of the state the previous window ended with: past the
-    # first window, that copy must be the state this window began with.
+    # first window, that copy must be the state this window began with. By default the bad
+    # minibatch is inside a fused call of 16; with steps_per_call=1 it is a call of its own.
     from dlspark.network import _SYNC_EVERY
 
     tr, _ = digits
@@ -247,7 +249,8 @@ def test_a_non_finite_step_in_a_later_window_is_replayed_from_that_window_s_star
     bad[0, 0] = np.nan
     batches = good[:at] + [DataSet(bad, good[at].labels)] + good[at:]
     skipper = make_net(on_nonfinite="skip")
-    skipper.fit(batches)
+    skipper.fit(batches, steps_per_call=steps_per_call)
+    assert (skipper.steps.loop_steps._cache_size() > 0) == (steps_per_call is None)
     ref = make_net()
     ref.fit(good)
     assert skipper.iteration == len(good) == len(skipper.score_history)
@@ -255,7 +258,7 @@ def test_a_non_finite_step_in_a_later_window_is_replayed_from_that_window_s_star
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
     raiser = make_net()
     with pytest.raises(NonFiniteLossError, match=f"iteration {at}"):
-        raiser.fit(batches)
+        raiser.fit(batches, steps_per_call=steps_per_call)
     upto = make_net()
     upto.fit(good[:at])
     assert raiser.iteration == at == len(raiser.score_history)
@@ -275,6 +278,53 @@ def test_a_fit_compiles_each_minibatch_shape_once_wherever_it_falls(make_net, di
     net.fit(batches)
     net.fit(batches[:3] + batches[-1:])
     assert {name: getattr(net.steps, name)._cache_size() for name in net.steps._fields} == sizes
+
+
+def test_fit_fuses_runs_of_same_shape_minibatches_with_the_bits_of_one_call_each(make_net, digits):
+    # 40 minibatches of 16 and one of 5, shuffled so that the short one falls mid-run: the
+    # default fuses runs of 16 into one call, and every count must train as one call per step.
+    tr, _ = digits
+    batches = tr[:16 * 40 + 5].batches(16)
+    nets = {}
+    for k in (None, 1, 7):
+        net = nets[k] = make_net(module=MLP(dropout=0.2))
+        net.fit(batches, epochs=3, shuffle=True, steps_per_call=k)
+        assert net.iteration == 3 * 41 and net.epoch == 3
+    assert nets[None].steps.loop_steps._cache_size() == 1  # one program for every fused call
+    assert nets[1].steps.loop_steps._cache_size() == 0
+    for k in (None, 7):
+        assert tree_equal(nets[k].state, nets[1].state)
+        assert nets[k].score_history == nets[1].score_history
+
+
+def test_fit_steps_one_call_per_minibatch_for_convolutions_and_large_minibatches(make_net, digits):
+    class Conv(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(4, (3, 3))(x.reshape(x.shape[0], 8, 8, 1)))
+            return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+    tr, _ = digits
+    batches = tr[:16 * 20].batches(16)
+    conv = make_net(module=Conv())
+    conv.fit(batches)
+    assert conv.iteration == 20
+    assert conv.steps.loop_steps._cache_size() == 0 and conv.steps.bare_step._cache_size() == 1
+    conv.fit(batches, steps_per_call=16)  # asked for: fused all the same
+    assert conv.steps.loop_steps._cache_size() == 1
+    mlp = make_net()
+    large = (np.zeros((4200, 64), np.float32), np.zeros((4200, 10), np.float32), None, None)  # 1.2 MiB
+    assert mlp._fused_steps(large) == 1
+    assert mlp._fused_steps(batches[0].jit_batch()) == 16
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "16"])
+def test_fit_refuses_a_steps_per_call_that_is_not_a_positive_integer(make_net, digits, bad):
+    tr, _ = digits
+    net = make_net()
+    with pytest.raises(ValueError, match="steps_per_call must be a positive integer or None"):
+        net.fit(tr[:64], batch_size=16, steps_per_call=bad)
+    assert net.iteration == 0
 
 
 def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_time(make_net, digits):
