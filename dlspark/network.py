@@ -23,6 +23,7 @@ _ON_NONFINITE = ("raise", "skip")
 #: about as much as ten small steps on one core (benchmarks/bench_fit_overhead.py). The
 #: window's minibatches stay referenced until it is checked (to replay it from its start).
 _SYNC_EVERY = 128
+_END = object()
 #: fit's default number of minibatches per compiled call (``steps_per_call=None``) where it
 #: fuses them: a rolled loop compiles as one step does, whatever this count
 _FUSE_STEPS = 16
@@ -72,12 +73,11 @@ class Steps(NamedTuple):
     they started from. ``window_end(state, losses, epochs) -> (state, copy of
     state, finite, stacked losses)`` is that check for ``Network.fit``'s
     windows; it also adds ``epochs`` to the epoch counter and copies the state
-    for the next window; ``window_close(state, epochs) -> (state, copy of state,
-    finite)`` is the same without the losses, for a window whose losses are
-    read back as they are. ``loop_steps(state, batches) -> (state, losses)``
-    is ``bare_steps`` as a rolled loop: it compiles once whatever the number of
-    minibatches, and runs a dispatch-bound step faster than one call per step
-    (but XLA's CPU backend runs convolutions in it many times slower).
+    for the next window. ``loop_steps(state, batches) -> (state, losses)`` is
+    ``bare_steps`` as a rolled loop: its compile time does not grow with the
+    number of minibatches (each number and shape is still a program of its
+    own), and it runs a dispatch-bound step faster than one call per step (but
+    XLA's CPU backend runs convolutions in it many times slower).
     ``copy_state(state)`` copies the state (the steps donate theirs).
     """
 
@@ -95,7 +95,6 @@ class Steps(NamedTuple):
     all_finite: Callable
     window_end: Callable
     copy_state: Callable
-    window_close: Callable
     loop_steps: Callable
 
 
@@ -186,10 +185,6 @@ def build_steps(model, loss, updater) -> Steps:
         state = state.replace(epoch=state.epoch + epochs)
         return state, copy_state(state), all_finite(state), jnp.stack(losses)
 
-    def window_close(state, epochs):
-        state = state.replace(epoch=state.epoch + epochs)
-        return state, copy_state(state), all_finite(state)
-
     def checked_step(state, batch):
         updates, opt, mstate, rng, value = compute_update(state, batch)
         return apply_update(state, updates, opt, mstate, rng), value, finite(value, updates)
@@ -251,7 +246,6 @@ def build_steps(model, loss, updater) -> Steps:
         all_finite=jax.jit(all_finite),
         window_end=jax.jit(window_end, donate_argnums=(0,)),
         copy_state=jax.jit(copy_state),
-        window_close=jax.jit(window_close, donate_argnums=(0,)),
         loop_steps=jax.jit(loop_steps, donate_argnums=(0,)),
     )
     return steps
@@ -442,19 +436,31 @@ class Network:
             epoch counter (so a resumed run shuffles as an uninterrupted one).
         steps_per_call : int, optional
             Run up to this many consecutive minibatches of one shape as one
-            compiled call (a rolled ``lax.scan`` over them, stacked), with the
-            bits of one call per minibatch; ``1`` is one call per minibatch.
-            It pays where a step is short enough for Python's dispatch to
-            show (a small network, small minibatches). ``None`` (the default)
-            fuses 16 when the step has no convolution (XLA's CPU backend runs
-            a convolution in a loop many times slower) and a minibatch holds
-            at most 1 MiB, and otherwise 1. The fused loop is one more program
-            to compile for the first fit on such minibatches.
+            compiled call (a rolled ``lax.scan`` over them, stacked); ``1`` is
+            one call per minibatch. On XLA's CPU backend the fused loop gives
+            the bits of one call per minibatch (tested); it pays where a step is
+            short enough for Python's dispatch to show (a small network, small
+            minibatches). ``None`` (the default) fuses 16 unless the step has a
+            convolution (XLA's CPU backend runs one in a loop up to about 25x
+            slower; not measured on GPUs, so left off there too) or the fit's
+            first minibatch holds more than 1 MiB (such a step is not
+            dispatch-bound, and stacking would only copy). The fused loop is one
+            more program to compile for the first fit on such minibatches. Up
+            to ``128 + 2 * steps_per_call`` minibatches are held in memory at
+            once, plus one stacked copy of a call's.
 
         Returns
         -------
         Network
             ``self``.
+
+        Notes
+        -----
+        Minibatches are read when their step is dispatched, which may be after
+        ``fit`` has taken later ones (and when fused, stacked only once a call's
+        worth is in hand): an iterator must yield fresh arrays, not refill one
+        buffer. A minibatch that cannot be read or fed ends the fit with its
+        error, after the minibatches before it are trained and recorded.
         """
         if not isinstance(epochs, (int, np.integer)) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
@@ -473,6 +479,7 @@ class Network:
         in_window = 0
         start, first = self._window_start(), int(self.state.step)  # a copy of the window's first state
         fuse = steps_per_call
+        pending: list = []  # consecutive minibatches of one shape, not yet run
 
         def run(group):
             nonlocal in_window, first, start
@@ -486,8 +493,13 @@ class Network:
             window.append((group, loss))
             in_window += len(group)
             if in_window >= _SYNC_EVERY:
-                first, start = self._settle(window, start, first, bar, epochs=0, fused=fuse > 1)
+                first, start = self._settle(window, start, first, bar, epochs=0)
                 in_window = 0
+
+        def run_pending():
+            for b in pending:
+                run([b])
+            pending.clear()
 
         try:
             for _ in range(epochs):
@@ -495,9 +507,21 @@ class Network:
                 if shuffle and hasattr(batches, "__len__"):
                     perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(order))
                     order = [order[i] for i in perm]
-                pending, kind = [], None  # consecutive minibatches of one shape, not yet run
-                for mb in order:
-                    batch = self._device_batch(load_minibatch(mb) if are_urls else mb)
+                kind = None  # the shape of the minibatches in pending
+                minibatches = iter(order)
+                while True:
+                    try:
+                        mb = next(minibatches, _END)
+                        if mb is _END:
+                            break
+                        batch = self._device_batch(load_minibatch(mb) if are_urls else mb)
+                    except Exception:
+                        # a minibatch that cannot be read or fed: the ones before it are trained,
+                        # checked and recorded, as with one call per minibatch
+                        run_pending()
+                        if window:
+                            self._settle(window, start, first, bar, epochs=0)
+                        raise
                     if fuse is None:
                         fuse = self._fused_steps(batch)
                     if fuse == 1:
@@ -505,17 +529,15 @@ class Network:
                         continue
                     sig = _batch_signature(batch)
                     if sig != kind:
-                        for b in pending:
-                            run([b])
-                        pending, kind = [], sig
+                        run_pending()
+                        kind = sig
                     pending.append(batch)
                     if len(pending) == fuse:
-                        run(pending)
-                        pending = []
-                for b in pending:
-                    run([b])
+                        run(list(pending))
+                        pending.clear()
+                run_pending()
                 if window:
-                    first, start = self._settle(window, start, first, bar, epochs=1, fused=fuse > 1)
+                    first, start = self._settle(window, start, first, bar, epochs=1)
                     in_window = 0
                 else:  # each its own array: the state's are donated to the next step
                     self.state = self.state.replace(epoch=self.state.epoch + 1)
@@ -552,8 +574,8 @@ class Network:
         # for a fraction of what a jnp.asarray per array costs in Python
         return batch
 
-    def _settle(self, window, start, first, bar, epochs, fused=False):
-        """Check and read back the bare steps of ``window`` and record their losses.
+    def _settle(self, window, start, first, bar, epochs):
+        """Check and read back the bare steps of ``window`` (one transfer) and record their losses.
 
         When a loss, or the parameters at the window's end, are not finite, the window is
         replayed from ``start`` (the state before it; the steps are deterministic) under
@@ -561,25 +583,21 @@ class Network:
         raises, leaving the parameters from before it; "skip" redoes the window with
         ``train_step``, which leaves the state unchanged by a bad step. Adds ``epochs``
         to the epoch counter and empties ``window``; returns the iteration of the next
-        step and the next window's start. A ``fused`` fit reads its windows back with
-        ``window_close`` (whether or not this one fused any steps, so that a fit that
-        has met a shape compiles nothing new for it wherever it falls).
+        step and the next window's start.
         """
         batches = [b for group, _ in window for b in group]
         n = len(batches)
-        if not fused:
-            # one loss per call: always _SYNC_EVERY of them (the last repeated), so that one
-            # program serves every window and reads them back in one transfer
-            losses = [loss for _, loss in window]
-            self.state, following, ok, losses = self.steps.window_end(
-                self.state, losses + losses[-1:] * (_SYNC_EVERY - n), epochs)
-            losses, ok = jax.device_get((losses, ok))
-            losses = losses[:n]
-        else:  # mostly fused calls: a few arrays of losses, read back as they are
-            losses = [loss for _, loss in window]
-            self.state, following, ok = self.steps.window_close(self.state, epochs)
-            losses, ok = jax.device_get((losses, ok))
-            losses = np.concatenate([np.reshape(x, -1) for x in losses])
+        singles = [loss for group, loss in window if len(group) == 1]
+        fused = [loss for group, loss in window if len(group) > 1]  # one array per fused call
+        # the single calls' losses always _SYNC_EVERY of them (the last repeated), so that one
+        # program serves every window, whatever its mix of single and fused calls
+        pad = singles[-1:] or [fused[-1][-1]]
+        self.state, following, ok, stacked = self.steps.window_end(
+            self.state, singles + pad * (_SYNC_EVERY - len(singles)), epochs)
+        stacked, ok, fused = jax.device_get((stacked, ok, fused))
+        one, many = iter(stacked[:len(singles)]), iter(fused)
+        losses = np.concatenate([np.reshape(next(many), -1) if len(group) > 1 else np.reshape(next(one), 1)
+                                 for group, _ in window])
         window.clear()
         oks = np.isfinite(losses)
         if not (ok and oks.all()):

@@ -297,6 +297,40 @@ def test_fit_fuses_runs_of_same_shape_minibatches_with_the_bits_of_one_call_each
         assert nets[k].score_history == nets[1].score_history
 
 
+def test_fused_calls_span_windows_and_shape_changes_with_the_bits_of_one_call_each(make_net, digits):
+    # 176 minibatches in one epoch, two runs of the short shape among them: the loss windows
+    # close mid-call-sequence (and past 128 steps with 7 per call).
+    tr, _ = digits
+    small, odd = tr[:8 * 170].batches(8), tr[:5 * 6].batches(5)
+    batches = small[:50] + odd[:3] + small[50:130] + odd[3:] + small[130:]
+    nets = {}
+    for k in (1, None, 7):
+        net = nets[k] = make_net()
+        net.fit(batches, epochs=2, steps_per_call=k)
+        assert net.iteration == 2 * 176 and net.epoch == 2
+    for k in (None, 7):
+        assert nets[k].steps.loop_steps._cache_size() == 1
+        assert tree_equal(nets[k].state, nets[1].state)
+        assert nets[k].score_history == nets[1].score_history
+
+
+@pytest.mark.parametrize("steps_per_call", [None, 1])
+def test_a_minibatch_that_cannot_be_fed_ends_the_fit_after_the_ones_before_it(make_net, digits, steps_per_call):
+    # Position 20: 16 of the 20 before it would be one fused call, 4 still waiting for theirs.
+    tr, _ = digits
+    good = tr[:16 * 30].batches(16)
+    wrong = DataSet(tr.features[:16, :63], tr.labels[:16])
+    net = make_net()
+    with pytest.raises(ValueError, match="cannot take features of shape"):
+        net.fit(good[:20] + [wrong] + good[20:], steps_per_call=steps_per_call)
+    ref = make_net()
+    ref.fit(good[:20], steps_per_call=1)
+    assert net.iteration == 20 and net.score_history == ref.score_history
+    assert tree_equal(net.state.params, ref.state.params)
+    net.fit(good)  # the network goes on from there
+    assert net.iteration == 50
+
+
 def test_fit_steps_one_call_per_minibatch_for_convolutions_and_large_minibatches(make_net, digits):
     class Conv(nn.Module):
         @nn.compact
