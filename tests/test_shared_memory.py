@@ -121,6 +121,35 @@ def test_closing_while_views_live_leaves_them_readable():
     assert _held() == []
 
 
+def test_closing_lets_go_of_mappings_that_only_a_reference_cycle_still_held():
+    # A view left in a reference cycle (an exception's traceback holding the frame that read a
+    # peer's leaves) dies only at a full collection, which an idle worker may not reach for a
+    # long time: closing collects. The automatic collector is off here, so that only close can.
+    import gc
+
+    class Holder:
+        pass
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        slots, views = SharedSlots("dlspark-test-cycle"), SharedViews()
+        mine = slots.put(0, [np.arange(1000, dtype=np.float32)])
+        # a reader's view of the file, and one of the writer's own mapping of it
+        for view in (views.views(mine)[0], np.frombuffer(slots.files[0][1], np.float32, count=10)):
+            held = Holder()
+            held.self, held.view = held, view
+        del held, view
+        assert len([m for m in _held() if "test-cycle" in m]) >= 2  # both mappings live on
+        views.close()
+        assert len([m for m in _held() if "test-cycle" in m]) >= 1  # the writer's, still open
+        slots.close()
+        assert _held() == []
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_a_file_that_is_not_the_one_named_is_refused():
     # the same /proc path can name another file: another pid namespace, or a number reused
     import dataclasses

@@ -21,6 +21,7 @@ of a file no round has read for a few rounds (a peer that left the job).
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 from dataclasses import dataclass
@@ -127,19 +128,18 @@ class SharedSlots:
             np.copyto(_view(mm, offset, shape, dt), x)
         return SharedLeaves(os.getpid(), fd, identity, size, layout)
 
-    def _drop(self, slot: int):
+    def _drop(self, slot: int) -> bool:
+        """Let go of a slot's file; false when a view keeps its mapping (it goes with the last)."""
         f, self.files[slot] = self.files[slot], None
-        if f is not None:
-            try:
-                f[1].close()
-            except BufferError:  # a view of it is still alive here; the mapping goes with the last
-                pass
-            os.close(f[0])
+        if f is None:
+            return True
+        os.close(f[0])
+        return _close_mapping(f[1])
 
     def close(self):
         self.closed = True
-        for slot in range(len(self.files)):
-            self._drop(slot)
+        if not all([self._drop(slot) for slot in range(len(self.files))]):
+            _collect()
 
 
 class SharedViews:
@@ -177,18 +177,30 @@ class SharedViews:
 
     def prune(self, round: int):
         for stale in [k for k, r in self.used.items() if r < round - self.keep]:
-            self._close(self.mapped.pop(stale))
+            _close_mapping(self.mapped.pop(stale))
             del self.used[stale]
 
-    @staticmethod
-    def _close(mm):
-        try:
-            mm.close()
-        except BufferError:  # a view is still referenced; the mapping goes with the last
-            pass
-
     def close(self):
-        for mm in self.mapped.values():
-            self._close(mm)
+        closed = [_close_mapping(mm) for mm in self.mapped.values()]
         self.mapped.clear()
         self.used.clear()
+        if not all(closed):
+            _collect()
+
+
+def _close_mapping(mm) -> bool:
+    """Unmap ``mm``; false when a view of it is still referenced (the mapping then goes with
+    the last view)."""
+    try:
+        mm.close()
+        return True
+    except BufferError:
+        return False
+
+
+def _collect():
+    """At a close that left mappings to their views: a view held only by a reference cycle (an
+    exception's traceback and the frames it holds, say) would keep the mapping, and the
+    kernel the memory, until Python's next full collection, which an idle process may not
+    reach for a long time. Collect now."""
+    gc.collect()
