@@ -25,7 +25,7 @@ _ON_NONFINITE = ("raise", "skip")
 _SYNC_EVERY = 128
 _END = object()
 #: fit's default number of minibatches per compiled call (``steps_per_call=None``) where it
-#: fuses them: a rolled loop compiles as one step does, whatever this count
+#: fuses them: a rolled loop's compile time does not grow with this count
 _FUSE_STEPS = 16
 #: ...and the most bytes of one minibatch it fuses: past this a step is not dispatch-bound and
 #: stacking would only copy
@@ -550,7 +550,8 @@ class Network:
 
     def _fused_steps(self, batch) -> int:
         """``fit``'s default steps per call for minibatches like ``batch`` (see ``fit``)."""
-        if sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(batch)) > _FUSE_MAX_BYTES:
+        leaves = jax.tree_util.tree_leaves(batch)
+        if sum(a.nbytes if hasattr(a, "nbytes") else np.asarray(a).nbytes for a in leaves) > _FUSE_MAX_BYTES:
             return 1
         convolves = self.__dict__.get("_convolves")
         if convolves is None:
