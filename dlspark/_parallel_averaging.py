@@ -18,14 +18,10 @@ from jax.sharding import PartitionSpec as P
 from .algorithms.averaging._numerics import is_averaged, outer_step
 from .data import load_ref
 from .distributed._plan import Coordinator
+from .network import one_shape
 
 #: the mesh axis the replicas are laid out on
 AXIS = "replica"
-
-
-def _one_shape(batches) -> bool:
-    return len({tuple((np.shape(x), np.asarray(x).dtype.str) for x in jax.tree_util.tree_leaves(b))
-                for b in batches}) == 1
 
 
 class _Rounds:
@@ -71,7 +67,7 @@ class _Rounds:
         counts = {len(v) for v in loaded.values()}
         examples = sum(n for v in loaded.values() for n, _ in v)
         batches = [b for v in loaded.values() for _, b in v]
-        if len(counts) == 1 and 0 not in counts and _one_shape(batches):
+        if len(counts) == 1 and 0 not in counts and one_shape(batches):
             # one host array [replica, step, ...] per leaf, each replica's part copied to its device
             # (with fused_steps=False one [replica, ...] array per step)
             stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs).reshape((len(ranks), -1) + np.shape(xs[0])),

@@ -251,13 +251,19 @@ def build_steps(model, loss, updater) -> Steps:
     return steps
 
 
-def _batch_signature(batch):
-    """What must agree for minibatches to stack: every array's shape and dtype."""
+def batch_signature(batch):
+    """What must agree for jit batches (``(x, y, fmask, lmask)``) to stack: their structure and
+    every array's shape and dtype (read from the arrays, not copied to the host)."""
     x, y, fm, lm = batch
     if type(x) is np.ndarray and type(y) is np.ndarray and fm is None and lm is None:
         return x.shape, x.dtype, y.shape, y.dtype  # the common case, without a tree walk
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return treedef, tuple((np.shape(a), np.result_type(a)) for a in leaves)
+
+
+def one_shape(batches) -> bool:
+    """Whether the jit batches ``batches`` stack (:func:`batch_signature`)."""
+    return len({batch_signature(b) for b in batches}) == 1
 
 
 def _to_device_batch(ds):
@@ -527,7 +533,7 @@ class Network:
                     if fuse == 1:
                         run([batch])
                         continue
-                    sig = _batch_signature(batch)
+                    sig = batch_signature(batch)
                     if sig != kind:
                         run_pending()
                         kind = sig

@@ -22,16 +22,12 @@ from ...distributed import _shared
 from ...distributed._peers import call_peer
 from ...distributed._run import WorkerRun
 from ...distributed._messages import FitReply, Unavailable
+from ...network import one_shape
 from ._messages import AverageOrder, AverageReply, Contribution, Share, SharedContribution
 from ._numerics import (assemble, average_on_device, average_share, is_averaged, outer_step, share_bounds,
                         share_pieces, take_share)
 
 __all__ = ["AveragingRun"]
-
-
-def _one_shape(batches) -> bool:
-    shapes = {tuple((np.shape(x), np.asarray(x).dtype.str) for x in jax.tree_util.tree_leaves(b)) for b in batches}
-    return len(shapes) == 1
 
 
 def _outer_function(net, tx):
@@ -116,7 +112,7 @@ class AveragingRun(WorkerRun):
         base_step = int(state.step)
         rec = self.stats
         staged = list(self.batches(refs)) if self.master.fused_steps and len(refs) > 1 else None
-        if staged is not None and _one_shape(b for _, b in staged):
+        if staged is not None and one_shape(b for _, b in staged):
             # the round's steps as one compiled call over the stacked minibatches
             stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[b for _, b in staged])
             state, losses = steps.bare_steps(state, stacked)
