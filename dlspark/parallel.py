@@ -266,7 +266,7 @@ class ParallelWrapper:
 
     def _function(self, kind):
         if kind not in self._functions:
-            self._functions[kind] = (_step_function(self.network, self.master, self.mesh, kind[1])
+            self._functions[kind] = (_step_function(self.network, self.master, self.mesh, *kind[1:])
                                      if isinstance(kind, tuple) else
                                      _round_function(self.network, self.master, self.mesh, kind))
         return self._functions[kind]
@@ -418,12 +418,14 @@ class ParallelWrapper:
         return self._irregular(state, outer, item["batches"], *args)
 
     def _stepwise(self, state, outer, batches, epoch, mask, n):
-        """A round with ``fused_steps=False``: one call per step on every device (no donation: the
-        round-start parameters stay for the outer step), then one call averages. On XLA's CPU
-        backend this keeps a convolutional step as fast as a plain one; fused, it is slower."""
-        start, losses, oks = state.params, [], []
+        """A round with ``fused_steps=False``: one call per step on every device, then one call
+        averages. On XLA's CPU backend this keeps a convolutional step as fast as a plain one;
+        fused, it is slower. The steps donate the state, except the round's first when an outer
+        optimizer needs the round-start parameters."""
+        keep_start = self.master.outer_updater is not None
+        start, losses, oks = (state.params if keep_start else ()), [], []
         for j, batch in enumerate(batches):
-            state, loss, ok = self._function(("step", j == 0))(state, batch, epoch)
+            state, loss, ok = self._function(("step", j == 0, j > 0 or not keep_start))(state, batch, epoch)
             losses.append(loss), oks.append(ok)
         state, outer, _, _ = self._function(False)(state, outer, (), start, epoch, mask, n)
         return state, outer, jnp.stack(losses, 1), jnp.stack(oks, 1)
