@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .algorithms.sharing._encoding import EMPTY, decode_into, encode_scratch, threshold_encode
-from .algorithms.sharing._state import sharing_functions
+from .algorithms.sharing._state import add_pieces, sharing_functions
 from .algorithms.sharing._thresholds import ResidualClipping, threshold_meta
 from .algorithms.sharing._xla import encode_on_device_jit, message_bytes, sparsity_of
 from .checkpoint import fit_checkpoint_bytes
@@ -121,7 +121,10 @@ class _Replicas:
         self.encoder = encoder
         self.algo, self.post = master.threshold_algorithm, master.residual_post_processor
         self.n = int(ravel_pytree(net.state.params)[0].size)
-        self.flat_update, self.apply_flat, self.add_flat = sharing_functions(net)
+        fns = sharing_functions(net)
+        self.apply_flat, self.add_flat = fns.apply_flat, fns.add_flat
+        # the host encoder adds the update's pieces to its residual; the XLA one takes it flat
+        self.update = fns.update if encoder == "host" else fns.flat_update
         # each replica's RNG as the cluster's worker of that rank has it: a checkpoint's saved
         # stream for its position, else a fold of rank 0's
         rngs = [net.state.rng] + [jax.random.fold_in(net.state.rng, r) for r in range(1, len(self.devices))]
@@ -157,7 +160,7 @@ class _Replicas:
     def step(self, batches, on_bad):
         """Fit one minibatch per device (``None``: that device has none this step); returns
         ``(losses, examples, bytes sent, thresholds, sparsities)`` of the devices that trained."""
-        outs = [None if b is None else self.flat_update(self.states[i], self.states[i].opt_state, b[1])
+        outs = [None if b is None else self.update(self.states[i], self.states[i].opt_state, b[1])
                 for i, b in enumerate(batches)]
         finite = jax.device_get([None if o is None else o[5] for o in outs])
         active = []
@@ -195,7 +198,7 @@ class _Replicas:
         residual, what crossed its threshold taken out. Replicas encode on threads of
         their own (the scan and numpy's loops release the GIL), each with its own scratch."""
         r = self.residuals[i]
-        r += np.asarray(update)
+        add_pieces(r, update)
         self.tstates[i] = _prepare(self.algo, self.tstates[i], r)
         t = self.tstates[i].threshold
         enc = threshold_encode(r, t, out=r, scratch=self.scratch[i], min_count=2)

@@ -225,7 +225,7 @@ def test_a_job_compiles_each_of_its_steps_once(client2, make_net, digits, algori
     trainer = DistributedTrainer(client2, net, master, progress=False)
     trainer.fit(tr[:384])  # 12 minibatches: 3 rounds of 2 workers x 2
     steps = {"jit(bare_step)", "jit(bare_steps)", "jit(copy_state)", "jit(all_finite)", "jit(_mean)", "jit(<lambda>)",
-             "jit(flat_update)", "jit(apply_flat)", "jit(add_flat)"}
+             "jit(update)", "jit(flat_update)", "jit(apply_flat)", "jit(add_flat)"}
     compiled = collections.Counter((e["worker"], e["function"]) for e in trainer.training_stats.events
                                    if e["phase"] == "compile" and e.get("function") in steps)
     assert compiled and set(compiled.values()) == {1}, compiled
@@ -241,15 +241,39 @@ def test_the_sharing_step_reuses_the_updater_buffers_unless_a_skipped_step_needs
 
     tr, _ = digits
     net = make_net(MLP(hidden=24), updater=optax.adam(1e-2), on_nonfinite=policy)
-    flat_update, apply_flat, _ = sharing_functions(net)
-    assert sharing_functions(net)[0] is flat_update  # built once per network and policy
+    fns = sharing_functions(net)
+    assert sharing_functions(net) is fns  # built once per network and policy
     state = jax.device_put(net.state, jax.devices()[0])
     old = jax.tree_util.tree_leaves(state.opt_state)
     expected_step = net.steps.bare_step(jax.tree_util.tree_map(lambda a: a.copy(), state), tr[:32].jit_batch())[0]
-    flat, opt, ms, rng, loss, finite = flat_update(state, state.opt_state, tr[:32].jit_batch())
+    pieces, opt, ms, rng, loss, finite = fns.update(state, state.opt_state, tr[:32].jit_batch())
+    flat, apply_flat = np.concatenate([np.asarray(p) for p in pieces]), fns.apply_flat
     deleted = [a.is_deleted() for a in old if a.size > 1]  # the moments, not Adam's step count
     assert deleted and deleted == [policy == "raise"] * len(deleted)
     # the split step applied whole is the fused step (to float rounding: XLA fuses them apart)
     state = apply_flat(state.replace(opt_state=opt, model_state=ms, rng=rng), flat)
     for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(expected_step)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_the_update_in_pieces_adds_to_a_residual_the_bits_of_the_flat_update(make_net, digits):
+    # The host encoder takes the update as one piece per parameter leaf (XLA's CPU backend
+    # concatenates slowly) and adds them to slices of its residual: the same bits as adding
+    # the flat vector, and the same verdict on whether the step is finite.
+    from dlspark.algorithms.sharing._state import add_pieces, sharing_functions
+
+    tr, _ = digits
+    net = make_net(MLP(hidden=24), updater=optax.adam(1e-2), on_nonfinite="skip")  # nothing donated
+    fns = sharing_functions(net)
+    state = jax.device_put(net.state, jax.devices()[0])
+    residual = np.random.default_rng(0).normal(scale=1e-3, size=net.num_params).astype(np.float32)
+    for features in (tr[:32].features, np.where(np.arange(tr.features.shape[1]) == 3, np.nan, tr[:32].features)):
+        batch = dlspark.DataSet(features.astype(np.float32), tr[:32].labels).jit_batch()
+        pieces, *rest = fns.update(state, state.opt_state, batch)
+        flat, *flat_rest = fns.flat_update(state, state.opt_state, batch)
+        assert [p.ndim for p in pieces] == [1] * len(jax.tree_util.tree_leaves(net.state.params))
+        np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in pieces]), np.asarray(flat))
+        assert bool(rest[-1]) == bool(flat_rest[-1]) == np.isfinite(features).all()
+        np.testing.assert_array_equal(add_pieces(residual.copy(), pieces), residual + np.asarray(flat))
+    with pytest.raises(ValueError, match="pieces hold"):
+        add_pieces(np.zeros(net.num_params + 1, np.float32), pieces)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,23 +30,49 @@ def _aligned_zeros(n):
     return buf[start:start + n]
 
 
-def _sharing_functions(steps, unravel, donate_updater):
-    """``(flat_update, apply_flat, add_flat)``, jitted.
+class SharingFunctions(NamedTuple):
+    """A network's jitted sharing steps (see :func:`_sharing_functions`)."""
 
-    ``flat_update(state, opt_state, batch)`` is the step's update as one flat vector
-    with the updater, model state and RNG that follow it; ``apply_flat(state, flat)``
-    adds a decoded sum to the parameters of a state that already holds those and
-    counts the step. With ``donate_updater`` the step writes the new updater state
-    over the old one's buffers (with Adam, two fresh parameter-sized buffers a step
-    cost 0.6 to 0.9 ms of a 17 ms step on the benchmarks' MLP): for networks that stop
-    at a non-finite step, which keep nothing of it. Networks that skip such a step go
-    on from the updater state before it, which must then stay.
+    update: Callable
+    flat_update: Callable
+    apply_flat: Callable
+    add_flat: Callable
+
+
+def _sharing_functions(steps, params, donate_updater) -> SharingFunctions:
+    """The sharing steps of a network whose parameters are shaped as ``params``, jitted.
+
+    ``update(state, opt_state, batch)`` is the step's update as pieces of one flat
+    vector, ``[ravel(leaf) for leaf in the update's leaves]`` (what ``ravel_pytree``
+    would concatenate), with the updater, model state and RNG that follow it and
+    whether the loss and the update are finite; the host adds the pieces to its
+    residual in place (:func:`add_pieces`). XLA is not asked to concatenate them: on
+    the CPU backend its concatenation (and the finiteness check that read the
+    concatenated vector) cost 1 to 2 ms of a 15 ms step in a pinned process, and up to
+    45 ms each when two devices of one process ran them at once.
+    ``flat_update`` is the same with the pieces concatenated on the device (the XLA
+    encoder's input). ``apply_flat(state, flat)`` adds a decoded sum to the parameters
+    of a state that already holds those and counts the step; ``add_flat`` only adds.
+    With ``donate_updater`` the update writes the new updater state over the old one's
+    buffers (with Adam, two fresh parameter-sized buffers a step cost 0.6 to 0.9 ms of
+    a 17 ms step on the benchmarks' MLP): for networks that stop at a non-finite step,
+    which keep nothing of it. Networks that skip such a step go on from the updater
+    state before it, which must then stay.
     """
-    def flat_update(state, opt_state, batch):
+    unravel = ravel_pytree(params)[1]
+    dtype = jnp.result_type(*jax.tree_util.tree_leaves(params))  # ravel_pytree's
+
+    def update(state, opt_state, batch):
         updates, opt, ms, rng, loss = steps.compute_update(state.replace(opt_state=opt_state), batch)
-        flat = ravel_pytree(updates)[0]
-        # checked here, fused with the ravel, rather than in one more pass on the host
-        return flat, opt, ms, rng, loss, jnp.isfinite(loss) & jnp.all(jnp.isfinite(flat))
+        pieces = [jnp.ravel(u).astype(dtype) for u in jax.tree_util.tree_leaves(updates)]
+        finite = jnp.isfinite(loss)
+        for piece in pieces:  # checked here, fused with the update, rather than in a host pass
+            finite = finite & jnp.all(jnp.isfinite(piece))
+        return pieces, opt, ms, rng, loss, finite
+
+    def flat_update(state, opt_state, batch):
+        pieces, *rest = update(state, opt_state, batch)
+        return (jnp.concatenate(pieces), *rest)
 
     def apply_flat(state, flat):
         return steps.apply_update(state, unravel(flat), state.opt_state, state.model_state, state.rng)
@@ -53,17 +80,32 @@ def _sharing_functions(steps, unravel, donate_updater):
     def add_flat(state, flat):
         return state.replace(params=optax.apply_updates(state.params, unravel(flat)))
 
-    return (jax.jit(flat_update, donate_argnums=(1,) if donate_updater else ()),
-            jax.jit(apply_flat, donate_argnums=(0,)), jax.jit(add_flat, donate_argnums=(0,)))
+    donate = (1,) if donate_updater else ()
+    return SharingFunctions(jax.jit(update, donate_argnums=donate), jax.jit(flat_update, donate_argnums=donate),
+                            jax.jit(apply_flat, donate_argnums=(0,)), jax.jit(add_flat, donate_argnums=(0,)))
 
 
-def sharing_functions(net):
+def add_pieces(out: np.ndarray, pieces) -> np.ndarray:
+    """``out += concatenate(pieces)``, piece by piece into slices of ``out`` (the same bits:
+    each element is one addition either way). ``pieces`` are device vectors; on a CPU
+    device they are read in place."""
+    start = 0
+    for piece in jax.device_get(pieces):
+        piece = np.asarray(piece)
+        out[start:start + piece.size] += piece
+        start += piece.size
+    if start != out.size:
+        raise ValueError(f"the update's pieces hold {start} elements, the residual {out.size}")
+    return out
+
+
+def sharing_functions(net) -> SharingFunctions:
     """The network's jitted sharing steps (:func:`_sharing_functions`), built once per network
     and policy: kept with the network, so that later fits do not compile them again."""
     cache = net.__dict__.setdefault("_sharing_fns", {})
     donate = net.on_nonfinite == "raise"
     if donate not in cache:
-        cache[donate] = _sharing_functions(net.steps, ravel_pytree(net.state.params)[1], donate)
+        cache[donate] = _sharing_functions(net.steps, net.state.params, donate)
     return cache[donate]
 
 
@@ -104,7 +146,8 @@ class SharingState:
         self.store: dict = {}  # (sender, step) -> message: everything seen this round, to serve peers that missed one
         self.links = None  # tree mesh: this round's neighbours
         self.relayed = 0
-        self.flat_update, self.apply_flat, self.add_flat = sharing_functions(job.net)
+        fns = sharing_functions(job.net)
+        self.update, self.apply_flat, self.add_flat = fns.update, fns.apply_flat, fns.add_flat
 
     # -- inbox (event loop thread) -----------------------------------------------
     def receive(self, sender, step, message) -> bool:
@@ -192,8 +235,7 @@ class SharingState:
         for done, (n_examples, batch) in enumerate(batches):
             stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
             rec.mark("wait_peers")
-            flat, opt, ms, rng, loss, finite = self.flat_update(state, state.opt_state, batch)
-            flat = np.asarray(flat)
+            pieces, opt, ms, rng, loss, finite = self.update(state, state.opt_state, batch)
             finite = bool(finite)
             rec.mark("fit", examples=n_examples)
             if not finite:
@@ -205,7 +247,7 @@ class SharingState:
                 state = state.replace(rng=rng)  # as in train_step: no replay of the same dropout mask
                 continue
             state = state.replace(opt_state=opt, model_state=ms, rng=rng)
-            self.residual += flat
+            add_pieces(self.residual, pieces)
             self.tstate = self.algo.prepare(self.tstate, self.residual)
             t = self.tstate.threshold
             # In place; a step that would move fewer than 2 elements sends an EMPTY note.
@@ -240,7 +282,8 @@ class SharingState:
                 stats.append({"step": self.step, "threshold": float(t), "sparsity": enc.count / self.n,
                               "format": ["empty", "sparse", "bitmap"][fmt], "bytes": int(message.nbytes),
                               "residual_norm": float(np.linalg.norm(self.residual)),
-                              "update_to_threshold": float(np.abs(flat).mean() / t)})
+                              "update_to_threshold": float(sum(np.abs(np.asarray(p)).sum(dtype=np.float64)
+                                                               for p in pieces) / self.n / t)})
             losses.append(loss)
             examples += n_examples
         job.state = state
