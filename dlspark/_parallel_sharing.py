@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .algorithms.sharing._encoding import EMPTY, decode_into, encode_scratch, threshold_encode
-from .algorithms.sharing._state import add_pieces, sharing_functions
+from .algorithms.sharing._state import _aligned_zeros, add_pieces, sharing_functions
 from .algorithms.sharing._thresholds import ResidualClipping, threshold_meta
 from .algorithms.sharing._xla import encode_on_device_jit, message_bytes, sparsity_of
 from .checkpoint import fit_checkpoint_bytes
@@ -141,6 +141,12 @@ class _Replicas:
             self.residuals = [np.zeros(self.n, np.float32) for _ in self.devices]
             self.scratch = [encode_scratch(self.n) for _ in self.devices]
             self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="dlspark-encode")
+            # The decoded sum of a step, in one of two reused vectors (as on a worker): the first
+            # CPU device reads it in place, the others take a copy. Reuse is safe: a vector is
+            # written again two steps later, after that step's updates were read back, which
+            # waits for the applies that read it.
+            self.totals = (_aligned_zeros(self.n), _aligned_zeros(self.n))
+            self.flip = 0
         else:
             self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
             self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
@@ -210,7 +216,9 @@ class _Replicas:
             done = list(self.pool.map(lambda i: self._encode_one(i, outs[i][0]), active))
         else:
             done = [self._encode_one(i, outs[i][0]) for i in active]
-        total = np.zeros(self.n, np.float32)
+        total = self.totals[self.flip]
+        self.flip ^= 1
+        total.fill(0)
         sent, ts, sparsities = 0, [], []
         for enc, t, sparsity in done:  # summed in replica order: the same bits as one thread
             if enc.message[0] != EMPTY:
@@ -218,7 +226,9 @@ class _Replicas:
             sent += int(enc.message.nbytes) * (len(self.devices) - 1)
             ts.append(float(t))
             sparsities.append(sparsity)
-        return [jax.device_put(total, d) for d in self.devices], sent, ts, sparsities
+        in_place = [d.platform == "cpu" and d.id == 0 for d in self.devices]  # where from_dlpack puts it
+        return ([jax.dlpack.from_dlpack(total) if here else jax.device_put(total, d)
+                 for here, d in zip(in_place, self.devices)], sent, ts, sparsities)
 
     def _encode_xla(self, outs, active):
         moved, counts, ts = list(self.zeros), {}, {}
