@@ -188,8 +188,8 @@ def _round_function(net, master, mesh, fit: bool):
 def _step_function(net, master, mesh, first: bool, donate: bool):
     """One step on every device (``fused_steps=False``); the round's ``first`` resets the updater
     (without ``save_updater``) and sets the epoch, as a cluster worker does at a round's start.
-    With ``donate`` the step writes the new state over the old one's buffers (with Adam on the
-    benchmarks' MLP, fresh buffers for the parameters and both moments cost about 10% of a step)."""
+    With ``donate`` the step writes the new state over the old one's buffers, as a worker's step
+    does, rather than holding two states per device."""
     step = _policy_step(net)
 
     def local(state, batch, epoch):
