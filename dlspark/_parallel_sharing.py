@@ -141,10 +141,12 @@ class _Replicas:
             self.residuals = [np.zeros(self.n, np.float32) for _ in self.devices]
             self.scratch = [encode_scratch(self.n) for _ in self.devices]
             self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="dlspark-encode")
-            # The decoded sum of a step, in one of two reused vectors (as on a worker): the first
-            # CPU device reads it in place, the others take a copy. Reuse is safe: a vector is
-            # written again two steps later, after that step's updates were read back, which
-            # waits for the applies that read it.
+            # The decoded sum of a step, in one of two reused aligned vectors (as on a worker):
+            # CPU devices read it in place (device_put of an aligned host vector aliases it).
+            # Reuse is safe: a vector is written again two steps later, when every replica has
+            # finished reading it. A replica that trained in the step between read back that
+            # step's update, which waits for the apply before it; an idle replica's add is
+            # waited for in its own step.
             self.totals = (_aligned_zeros(self.n), _aligned_zeros(self.n))
             self.flip = 0
         else:
@@ -183,13 +185,17 @@ class _Replicas:
             active.append(i)
         encode = self._encode_host if self.encoder == "host" else self._encode_xla
         totals, sent, ts, sparsities = encode(outs, active)
+        idle = []
         for i, o in enumerate(outs):
             if o is None:  # the sum of the others' messages still reaches this replica
                 self.states[i] = self.add_flat(self.states[i], totals[i])
+                idle.append(self.states[i])
             else:
                 self.states[i] = self.apply_flat(self.states[i].replace(opt_state=o[1], model_state=o[2], rng=o[3]),
                                                  totals[i])
         losses = [float(x) for x in jax.device_get([outs[i][4] for i in active])]
+        if idle and self.encoder == "host":  # nothing else waits for these reads of the reused vector
+            jax.block_until_ready(idle)
         return losses, sum(batches[i][0] for i in active), sent, ts, sparsities
 
     def _advance(self, i, t, count):
@@ -226,9 +232,7 @@ class _Replicas:
             sent += int(enc.message.nbytes) * (len(self.devices) - 1)
             ts.append(float(t))
             sparsities.append(sparsity)
-        in_place = [d.platform == "cpu" and d.id == 0 for d in self.devices]  # where from_dlpack puts it
-        return ([jax.dlpack.from_dlpack(total) if here else jax.device_put(total, d)
-                 for here, d in zip(in_place, self.devices)], sent, ts, sparsities)
+        return [jax.device_put(total, d) for d in self.devices], sent, ts, sparsities
 
     def _encode_xla(self, outs, active):
         moved, counts, ts = list(self.zeros), {}, {}

@@ -289,6 +289,37 @@ def test_gradient_sharing_skips_a_non_finite_minibatch_and_keeps_the_replicas_eq
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(net.state.params))
 
 
+def test_a_replica_without_minibatches_reads_the_reused_sum_before_it_is_written_again(make_net, digits, monkeypatch):
+    # The host encoder's decoded sum lives in two reused vectors that the CPU devices read in
+    # place. A replica with no minibatch only adds the sum, and nothing else waits for that
+    # read. To make a late read certain rather than rare, the add is preceded by ~100 ms of
+    # unrelated device work (only the timing is staged; the arithmetic is the real add).
+    import dlspark._parallel_sharing as ps
+    from jax.flatten_util import ravel_pytree
+
+    real = ps.sharing_functions
+
+    def slow_add(net):
+        fns = real(net)
+        unravel = ravel_pytree(net.state.params)[1]
+
+        def add_flat(state, flat):
+            m = jnp.ones((256, 256)) * jax.tree_util.tree_leaves(state.params)[0].ravel()[0]
+            m = jax.lax.fori_loop(0, 400, lambda i, m: jnp.tanh(m @ m), m)
+            late = jnp.where(m[0, 0] > 1e30, 1.0, 0.0)  # 0, but only known after the work
+            return state.replace(params=optax.apply_updates(state.params, unravel(flat + late)))
+
+        return fns._replace(add_flat=jax.jit(add_flat))
+
+    monkeypatch.setattr(ps, "sharing_functions", slow_add)
+    tr, _ = digits
+    net = make_net(MLP(hidden=24), updater=optax.sgd(0.1))
+    wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=32), CPU2, progress=False,
+                              sharing_encoder="host")
+    wrapper.fit(tr[:32], epochs=6)  # one minibatch an epoch: the second device only ever adds the sum
+    assert wrapper.published["replica_divergence"] == 0.0
+
+
 def test_gradient_sharing_checkpoints_the_state_it_reached_and_resumes_the_rest(make_net, digits, tmp_path):
     tr, te = digits
     data = tr[:640]  # 20 minibatches of 32: 10 lockstep steps of 2 devices, 5 rounds

@@ -277,3 +277,29 @@ def test_the_update_in_pieces_adds_to_a_residual_the_bits_of_the_flat_update(mak
         np.testing.assert_array_equal(add_pieces(residual.copy(), pieces), residual + np.asarray(flat))
     with pytest.raises(ValueError, match="pieces hold"):
         add_pieces(np.zeros(net.num_params + 1, np.float32), pieces)
+
+
+def test_the_update_in_pieces_keeps_the_updates_dtype_for_low_precision_parameters(digits):
+    # bfloat16 parameters under an updater that keeps float32 moments give float32 updates;
+    # the pieces keep that dtype, as the flat vector did, rather than the parameters' own.
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from jax.flatten_util import ravel_pytree
+
+    from dlspark.algorithms.sharing._state import add_pieces, sharing_functions
+
+    class Half(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            h = nn.relu(nn.Dense(24, param_dtype=jnp.bfloat16, dtype=jnp.float32)(x))
+            return nn.Dense(10, param_dtype=jnp.bfloat16, dtype=jnp.float32)(h)
+
+    tr, _ = digits
+    net = dlspark.Network(dlspark.Model.from_flax(Half(), tr[:1].features), loss="softmax_cross_entropy",
+                          updater=optax.adam(1e-2, mu_dtype=jnp.float32), on_nonfinite="skip")
+    batch = tr[:32].jit_batch()
+    flat = np.asarray(ravel_pytree(net.steps.compute_update(net.state, batch)[0])[0])
+    pieces = sharing_functions(net).update(net.state, net.state.opt_state, batch)[0]
+    assert {p.dtype for p in pieces} == {flat.dtype}
+    residual = np.zeros(flat.size, np.float32)
+    np.testing.assert_array_equal(add_pieces(residual.copy(), pieces), residual + flat)

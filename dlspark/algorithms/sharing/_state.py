@@ -60,11 +60,12 @@ def _sharing_functions(steps, params, donate_updater) -> SharingFunctions:
     state before it, which must then stay.
     """
     unravel = ravel_pytree(params)[1]
-    dtype = jnp.result_type(*jax.tree_util.tree_leaves(params))  # ravel_pytree's
 
     def update(state, opt_state, batch):
         updates, opt, ms, rng, loss = steps.compute_update(state.replace(opt_state=opt_state), batch)
-        pieces = [jnp.ravel(u).astype(dtype) for u in jax.tree_util.tree_leaves(updates)]
+        leaves = jax.tree_util.tree_leaves(updates)
+        dtype = jnp.result_type(*leaves)  # what ravel_pytree(updates) would give: the updates' own
+        pieces = [jnp.ravel(u).astype(dtype) for u in leaves]
         finite = jnp.isfinite(loss)
         for piece in pieces:  # checked here, fused with the update, rather than in a host pass
             finite = finite & jnp.all(jnp.isfinite(piece))
