@@ -559,12 +559,18 @@ class Network:
         leaves = jax.tree_util.tree_leaves(batch)
         if sum(a.nbytes if hasattr(a, "nbytes") else np.asarray(a).nbytes for a in leaves) > _FUSE_MAX_BYTES:
             return 1
+        return 1 if self._step_convolves(batch) else _FUSE_STEPS
+
+    def _step_convolves(self, batch, state=None) -> bool:
+        """Whether the step on minibatches like ``batch`` has a convolution: XLA's CPU backend
+        runs those many times slower in a rolled loop. Found once per network, from the trace
+        of the step (on ``state``, by default the network's own; only its shapes count)."""
         convolves = self.__dict__.get("_convolves")
         if convolves is None:
-            # once per network; the step's trace is cached for its first call
-            jaxpr = self.steps.bare_step.trace(self.state, batch).jaxpr
+            # the step's trace is cached for its first call
+            jaxpr = self.steps.bare_step.trace(self.state if state is None else state, batch).jaxpr
             convolves = self._convolves = "conv_general_dilated" in str(jaxpr)
-        return 1 if convolves else _FUSE_STEPS
+        return convolves
 
     def _window_start(self):
         """A copy of the state, to replay a window from: the one the last fit left when the

@@ -2,6 +2,7 @@
 
 import os
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -469,17 +470,30 @@ def test_a_hung_worker_without_a_nanny_is_dropped_when_its_heartbeats_stop(make_
         assert min(s["workers"] for s in trainer.last_fit_stats) == 1
 
 
-def test_fused_rounds_train_as_one_step_at_a_time(client2, make_net, digits):
+class _SmallConv(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.relu(nn.Conv(4, (3, 3))(x.reshape(x.shape[0], 8, 8, 1)))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+def test_fused_rounds_train_as_one_step_at_a_time(client2, make_net, digits, kind):
     # A round's steps as one compiled call over the stacked minibatches: the same bits,
-    # dropout included, as one call per step.
+    # dropout included, as one call per step. The call is a rolled loop, except for a
+    # network that convolves (unrolled: XLA's CPU backend runs rolled convolutions slowly).
     tr, _ = digits
     batches = tr[:640].batches(32)
-    nets = []
+    nets, compiled = [], set()
     for fused in (True, False):
-        net = make_net(MLP(dropout=0.2), updater=optax.adam(1e-2))
-        master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, fused_steps=fused)
-        DistributedTrainer(client2, net, master, progress=False).fit(batches, epochs=2)
+        net = make_net(MLP(dropout=0.2) if kind == "mlp" else _SmallConv(), updater=optax.adam(1e-2))
+        master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, fused_steps=fused,
+                                    collect_training_stats=True)
+        trainer = DistributedTrainer(client2, net, master, progress=False)
+        trainer.fit(batches, epochs=2)
+        compiled |= {e.get("function") for e in trainer.training_stats.events if e["phase"] == "compile"}
         nets.append(net)
+    assert ("jit(loop_steps)" in compiled, "jit(bare_steps)" in compiled) == (kind == "mlp", kind == "conv")
     assert nets[0].iteration == nets[1].iteration == 40
     _close(nets[0].state.params, nets[1].state.params, rtol=0, atol=0)
     _close(nets[0].state.opt_state, nets[1].state.opt_state, rtol=0, atol=0)

@@ -52,8 +52,12 @@ class ParameterAveraging(Algorithm):
         When a round's minibatches share one shape, run the worker's steps as
         one compiled call (``lax.scan`` over the stacked minibatches) instead
         of one call per step; the prefetcher then loads a whole round ahead.
-        Off by default: on CPU a small CNN's fused steps measured about 1.25x
-        slower than separate calls (an MLP's were not); try it per network.
+        On a worker the loop is rolled, so its compile time does not grow with
+        ``averaging_frequency``, unless the step has a convolution (then it is
+        unrolled: XLA's CPU backend runs rolled convolutions far slower);
+        ParallelWrapper's fused rounds are unrolled. Off by default: on CPU a
+        small CNN's fused steps measured about 1.25x slower than separate calls
+        (an MLP's were not); try it per network.
     outer_updater : optax.GradientTransformation, optional
         An outer optimizer (DiLoCo, arXiv 2311.08105): at each averaging the
         round-start parameters minus the workers' mean is taken as a gradient

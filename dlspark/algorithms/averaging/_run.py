@@ -113,9 +113,12 @@ class AveragingRun(WorkerRun):
         rec = self.stats
         staged = list(self.batches(refs)) if self.master.fused_steps and len(refs) > 1 else None
         if staged is not None and one_shape(b for _, b in staged):
-            # the round's steps as one compiled call over the stacked minibatches
+            # The round's steps as one compiled call over the stacked minibatches: a rolled loop,
+            # whose compile time does not grow with the averaging frequency, unless the step
+            # convolves (then unrolled: XLA's CPU backend runs a rolled convolution far slower).
             stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[b for _, b in staged])
-            state, losses = steps.bare_steps(state, stacked)
+            rolled = not self.net._step_convolves(staged[0][1], state)
+            state, losses = (steps.loop_steps if rolled else steps.bare_steps)(state, stacked)
             rec.mark("fit", examples=sum(n for n, _ in staged), steps=len(staged))
         else:
             source, staged = staged or self.batches(refs), []
