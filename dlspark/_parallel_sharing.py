@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .algorithms.sharing._encoding import EMPTY, decode_into, encode_scratch, threshold_encode
-from .algorithms.sharing._state import _aligned_zeros, add_pieces, sharing_functions
+from .algorithms.sharing._state import SumVectors, add_pieces, sharing_functions
 from .algorithms.sharing._thresholds import ResidualClipping, threshold_meta
 from .algorithms.sharing._xla import encode_on_device_jit, message_bytes, sparsity_of
 from .checkpoint import fit_checkpoint_bytes
@@ -141,14 +141,12 @@ class _Replicas:
             self.residuals = [np.zeros(self.n, np.float32) for _ in self.devices]
             self.scratch = [encode_scratch(self.n) for _ in self.devices]
             self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="dlspark-encode")
-            # The decoded sum of a step, in one of two reused aligned vectors (as on a worker):
-            # CPU devices read it in place (device_put of an aligned host vector aliases it).
-            # Reuse is safe: a vector is written again two steps later, when every replica has
-            # finished reading it. A replica that trained in the step between read back that
-            # step's update, which waits for the apply before it; an idle replica's add is
-            # waited for in its own step.
-            self.totals = (_aligned_zeros(self.n), _aligned_zeros(self.n))
-            self.flip = 0
+            # The decoded sum of a step, as on a worker (every CPU device reads it in place:
+            # device_put of an aligned host vector aliases it). Reuse of its vectors is safe: a
+            # vector is written again two steps later, when every replica has finished reading
+            # it. A replica that trained in the step between read back that step's update, which
+            # waits for the apply before it; an idle replica's add is waited for in its own step.
+            self.totals = SumVectors(self.n)
         else:
             self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
             self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
@@ -222,9 +220,7 @@ class _Replicas:
             done = list(self.pool.map(lambda i: self._encode_one(i, outs[i][0]), active))
         else:
             done = [self._encode_one(i, outs[i][0]) for i in active]
-        total = self.totals[self.flip]
-        self.flip ^= 1
-        total.fill(0)
+        total = self.totals.take()
         sent, ts, sparsities = 0, [], []
         for enc, t, sparsity in done:  # summed in replica order: the same bits as one thread
             if enc.message[0] != EMPTY:

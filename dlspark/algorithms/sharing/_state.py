@@ -30,6 +30,23 @@ def _aligned_zeros(n):
     return buf[start:start + n]
 
 
+class SumVectors:
+    """Where a step's decoded sum is added up: two reused aligned vectors of ``n`` float32,
+    handed out in turn, zeroed. A CPU device reads the one it is given in place, with no
+    4n-byte allocation, page faults and copy per step. The caller sees to it that every
+    read of a vector is done before that vector comes round again, two takes later."""
+
+    def __init__(self, n: int):
+        self.vectors = (_aligned_zeros(n), _aligned_zeros(n))
+        self.taken = 0
+
+    def take(self) -> np.ndarray:
+        vector = self.vectors[self.taken % 2]
+        self.taken += 1
+        vector.fill(0)
+        return vector
+
+
 class SharingFunctions(NamedTuple):
     """A network's jitted sharing steps (see :func:`_sharing_functions`)."""
 
@@ -124,11 +141,9 @@ class SharingState:
         self.n = int(flat.size)
         self.residual = np.zeros(self.n, np.float32)
         self.scratch = encode_scratch(self.n)
-        # The decoded sum of a step, in one of two reused vectors. On a CPU device the
-        # apply reads it in place, with no 4n-byte allocation, page faults and copy per
-        # step. Reuse is safe: a vector is written again only after the next step's
-        # update was read back, which waits for the apply that read it.
-        self.totals = (_aligned_zeros(self.n), _aligned_zeros(self.n))
+        # The decoded sum of a step. Reuse of its vectors is safe: a vector is written again
+        # only after the next step's update was read back, which waits for the apply that read it.
+        self.totals = SumVectors(self.n)
         # where from_dlpack puts a host vector: the first CPU device (asking for the CPU
         # backend by name would fail where JAX was started on accelerators only)
         device = next(iter(flat.devices()))
@@ -259,8 +274,7 @@ class SharingState:
             if rec.on:
                 rec.mark("encode", step=self.step, threshold=float(t), sparsity=enc.count / self.n,
                          bytes=int(message.nbytes))
-            total = self.totals[self.step % 2]
-            total.fill(0)
+            total = self.totals.take()
             if message[0] != EMPTY:
                 decode_into(message, total)
             with self.lock:
