@@ -40,33 +40,38 @@ class SmallCNN(nn.Module):
 NETWORKS = {"mlp": (lambda: WideMLP(768), 256), "cnn": (SmallCNN, 576)}
 
 
-def make_network(kind="mlp"):
+#: name -> the updater a benchmark's network and its plain baseline train with
+UPDATERS = {"sgd": lambda: optax.sgd(1e-3), "adam": lambda: optax.adam(1e-3)}
+
+
+def make_network(kind="mlp", updater="sgd"):
     module, n_features = NETWORKS[kind]
     x = np.zeros((1, n_features), np.float32)
-    return dlspark.Network(dlspark.Model.from_flax(module(), x), updater=optax.sgd(1e-3))
+    return dlspark.Network(dlspark.Model.from_flax(module(), x), updater=UPDATERS[updater]())
 
 
 def make_data(n, kind="mlp"):
     return dlspark.datasets.synthetic_classification(n, n_features=NETWORKS[kind][1], n_classes=10, seed=0)
 
 
-def plain_steps_per_second(kind, batch_size, steps=60, core=0):
+def plain_steps_per_second(kind, batch_size, steps=60, core=0, updater="sgd"):
     """Steps/s of the same jitted step in a fresh process pinned to one core (the baseline)."""
-    out = subprocess.run(*_plain_command(kind, batch_size, steps, core), capture_output=True, text=True, check=True)
+    out = subprocess.run(*_plain_command(kind, batch_size, steps, core, updater), capture_output=True, text=True,
+                         check=True)
     rate, cpu_per_wall = map(float, out.stdout.split())
     return rate, cpu_per_wall
 
 
-def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60):
+def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60, updater="sgd"):
     """Mean steps/s of plain processes run at the same time, one pinned to each of ``cores``:
     the baseline with the machine as loaded as in a job (shared caches, memory bandwidth)."""
-    procs = [subprocess.Popen(*_plain_command(kind, batch_size, steps, c), stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(*_plain_command(kind, batch_size, steps, c, updater), stdout=subprocess.PIPE, text=True)
              for c in cores]
     rates = [float(p.communicate()[0].split()[0]) for p in procs]
     return sum(rates) / len(rates)
 
 
-def _plain_loop(kind, batch_size):
+def _plain_loop(kind, batch_size, updater="sgd"):
     """``run(steps) -> (steps/s, process CPU time per wall time)`` of the plain step (the
     field's own: ``plain_optax_step``, the same model and updater as ``make_network``),
     compiled and warmed here."""
@@ -77,7 +82,7 @@ def _plain_loop(kind, batch_size):
     module, _ = NETWORKS[kind]
     model, ds = module(), make_data(batch_size, kind)
     x, y = np.asarray(ds.features), np.asarray(ds.labels)
-    tx = make_network(kind).updater
+    tx = make_network(kind, updater).updater
     step = plain_optax_step(model, tx)
     held = {"params": model.init(jax.random.PRNGKey(0), x[:1])}
     held["opt"] = tx.init(held["params"])
@@ -96,16 +101,16 @@ def _plain_loop(kind, batch_size):
     return run
 
 
-def _step_loop(kind, batch_size, steps):
+def _step_loop(kind, batch_size, steps, updater="sgd"):
     """The plain step's ``(steps/s, CPU per wall)`` over ``steps``, run where this is called: in a
     fresh pinned process (the baseline) or in a worker (the bound below)."""
-    return _plain_loop(kind, batch_size)(steps)
+    return _plain_loop(kind, batch_size, updater)(steps)
 
 
-def _serve_plain_loop(kind, batch_size):
+def _serve_plain_loop(kind, batch_size, updater="sgd"):
     """A baseline process's loop: for each number of steps read from stdin, run them and print
     ``steps/s CPU-per-wall``."""
-    run = _plain_loop(kind, batch_size)
+    run = _plain_loop(kind, batch_size, updater)
     print("ready", flush=True)
     for line in sys.stdin:
         print(*run(int(line)), flush=True)
@@ -120,8 +125,8 @@ class PlainProcess:
     ...     rate, cpu_per_wall = plain.rate(60)
     """
 
-    def __init__(self, kind, batch_size, core=0):
-        self.proc = subprocess.Popen(*_pinned_call(core, f"_serve_plain_loop({kind!r}, {batch_size})"),
+    def __init__(self, kind, batch_size, core=0, updater="sgd"):
+        self.proc = subprocess.Popen(*_pinned_call(core, f"_serve_plain_loop({kind!r}, {batch_size}, {updater!r})"),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the baseline process did not start")
@@ -143,7 +148,7 @@ class PlainProcess:
         self.close()
 
 
-def in_cluster_steps_per_second(client, kind, batch_size, steps=150):
+def in_cluster_steps_per_second(client, kind, batch_size, steps=150, updater="sgd"):
     """Mean steps/s of the plain step run as a task on every worker at once: what a job would get
     with no distributed-training work at all (no data loading, averaging or messages), the
     bound set by the cluster itself (scheduler, event loops, nannies) on this machine."""
@@ -151,7 +156,7 @@ def in_cluster_steps_per_second(client, kind, batch_size, steps=150):
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
     workers = sorted(client.scheduler_info()["workers"])
-    futures = [client.submit(_step_loop, kind, batch_size, steps, workers=[w], pure=False) for w in workers]
+    futures = [client.submit(_step_loop, kind, batch_size, steps, updater, workers=[w], pure=False) for w in workers]
     rates = [rate for rate, _ in client.gather(futures)]
     return sum(rates) / len(rates)
 
@@ -169,8 +174,8 @@ def _pinned_call(core, call):
     return ([sys.executable, "-c", code],)
 
 
-def _plain_command(kind, batch_size, steps, core):
-    return _pinned_call(core, f"print(*_step_loop({kind!r}, {batch_size}, {steps}))")
+def _plain_command(kind, batch_size, steps, core, updater="sgd"):
+    return _pinned_call(core, f"print(*_step_loop({kind!r}, {batch_size}, {steps}, {updater!r}))")
 
 
 def make_master(algorithm, batch, frequency=5, approach="export", **sharing):

@@ -79,6 +79,9 @@ class Steps(NamedTuple):
     own), and it runs a dispatch-bound step faster than one call per step (but
     XLA's CPU backend runs convolutions in it many times slower).
     ``copy_state(state)`` copies the state (the steps donate theirs).
+    ``kept_step`` is ``bare_step`` without donating the state it is given: a loop
+    that must keep the state it started from (to replay its steps) runs its first
+    step with it instead of copying the state first.
     """
 
     train_step: Callable
@@ -96,6 +99,7 @@ class Steps(NamedTuple):
     window_end: Callable
     copy_state: Callable
     loop_steps: Callable
+    kept_step: Callable
 
 
 def _resolve_losses(loss):
@@ -181,6 +185,9 @@ def build_steps(model, loss, updater) -> Steps:
     def copy_state(state):
         return jax.tree_util.tree_map(lambda x: x.copy(), state)
 
+    def kept_step(state, batch):  # bare_step, compiled without donation (a name of its own)
+        return bare_step(state, batch)
+
     def window_end(state, losses, epochs):
         state = state.replace(epoch=state.epoch + epochs)
         return state, copy_state(state), all_finite(state), jnp.stack(losses)
@@ -247,6 +254,7 @@ def build_steps(model, loss, updater) -> Steps:
         window_end=jax.jit(window_end, donate_argnums=(0,)),
         copy_state=jax.jit(copy_state),
         loop_steps=jax.jit(loop_steps, donate_argnums=(0,)),
+        kept_step=jax.jit(kept_step),
     )
     return steps
 
