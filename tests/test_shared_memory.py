@@ -225,6 +225,41 @@ def test_co_located_workers_average_through_shared_memory_with_the_comms_bits(cl
         np.testing.assert_array_equal(x, y)
 
 
+def _slow_on(pid, delay):
+    """A minibatch loader that sleeps ``delay`` s per file in the worker process ``pid`` only."""
+
+    def load(url):
+        if os.getpid() == pid:
+            time.sleep(delay)
+        from dlspark.data import load_minibatch
+
+        return load_minibatch(url)
+
+    return load
+
+
+def test_the_later_of_two_workers_reads_the_contribution_its_peer_offered(client2, make_net, digits, tmp_path):
+    # A worker that finishes its fit tells its co-located peer where its contribution lies;
+    # the peer, finishing later, reads it from there without asking. Here one worker is
+    # slowed (its loads sleep), so it is the later one in every round: each of its fetches
+    # takes an offer, and the other worker's ask for the slow one's contribution.
+    tr, _ = digits
+    save_minibatches(tr[:576], url=str(tmp_path / "mb"), batch_size=32)
+    slow = sorted(client2.scheduler_info()["workers"])[0]
+    net = make_net(updater=optax.adam(1e-2))
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, collect_training_stats=True)
+    trainer = DistributedTrainer(client2, net, master, progress=False)
+    trainer.fit_paths(str(tmp_path / "mb"), epochs=2, loader=_slow_on(client2.run(os.getpid)[slow], 0.03))
+    fetches = sorted((e for e in trainer.training_stats.events if e["phase"] == "fetch"), key=lambda e: e["round"])
+    offered = {w: [e["offered"] for e in fetches if e["worker"] == w] for w in {e["worker"] for e in fetches}}
+    assert len(offered) == 2 and len(offered[slow]) == 6  # 18 minibatches an epoch: 3 rounds of 2 x 3
+    # the first round also compiles, which may leave either worker the later one
+    assert offered[slow][1:] == [1] * 5, offered
+    assert [n for w, v in offered.items() if w != slow for n in v[1:]] == [0] * 5, offered
+    assert all(s["bytes_shared"] == s["bytes_received"] > 0 for s in trainer.last_fit_stats)
+    trainer.close()
+
+
 def jax_leaves(tree):
     import jax
 
