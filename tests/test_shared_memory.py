@@ -257,6 +257,9 @@ def test_the_later_of_two_workers_reads_the_contribution_its_peer_offered(client
     assert offered[slow][1:] == [1] * 5, offered
     assert [n for w, v in offered.items() if w != slow for n in v[1:]] == [0] * 5, offered
     assert all(s["bytes_shared"] == s["bytes_received"] > 0 for s in trainer.last_fit_stats)
+    # an offered contribution counts as served once, read from the offer or on asking
+    per_worker = trainer.training_stats.per_worker()
+    assert all(w["bytes_sent"] == w["bytes_received"] > 0 for w in per_worker.values()), per_worker
     trainer.close()
 
 

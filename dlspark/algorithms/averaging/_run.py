@@ -62,6 +62,7 @@ class AveragingRun(WorkerRun):
         # round -> {peer: where its contribution lies in its shared memory}: offered by a peer
         # that got there first, so that the later of two need not ask for it (see order_fit)
         self.offers: dict = {}
+        self.offered: set = set()  # rounds whose contribution this worker offered
         self._sending: set = set()  # offers on their way (a task nobody awaits must be held)
 
     def close(self):
@@ -91,6 +92,7 @@ class AveragingRun(WorkerRun):
         self.peer_views.close()
 
     def forget_rounds_before(self, round):
+        self.offered = {r for r in self.offered if r >= round}
         for kept in (self.contributions, self.ready, self.untouched, self.shares, self.round_start, self.shared,
                      self.offers):
             for r in [r for r in kept if r < round]:
@@ -128,7 +130,10 @@ class AveragingRun(WorkerRun):
             # The round's steps as one compiled call over the stacked minibatches: a rolled loop,
             # whose compile time does not grow with the averaging frequency, unless the step
             # convolves (then unrolled: XLA's CPU backend runs a rolled convolution far slower).
-            stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[b for _, b in staged])
+            # host arrays on a CPU device (the loader hands them over as they are): stacked by numpy,
+            # since jnp.stack would convert each one first, on this thread
+            stack = np.stack if self.on_cpu else jnp.stack
+            stacked = jax.tree_util.tree_map(lambda *xs: stack(xs), *[b for _, b in staged])
             rolled = not self.net._step_convolves(staged[0][1], state)
             state, losses = (steps.loop_steps if rolled else steps.bare_steps)(state, stacked)
             rec.mark("fit", examples=sum(n for n, _ in staged), steps=len(staged))
@@ -253,6 +258,10 @@ class AveragingRun(WorkerRun):
             return
         for addr in contributors:
             if addr != self.address and _shared.same_host(addr, self.address):
+                # the peer reads it once, from the offer or on asking: served (counted) here
+                self.offered.add(round)
+                t = self.stats.now()
+                self.stats.add("serve", t, t, "comms", bytes=where.nbytes, shared=where.nbytes, offered=1)
                 task = asyncio.ensure_future(call_peer(
                     self.worker, addr, "dlspark_peer", job=self.job, request="offer", round=round,
                     sender=self.address, where=to_serialize(where), reply=False))
@@ -423,7 +432,8 @@ class AveragingRun(WorkerRun):
             return {"reply": to_serialize(Unavailable(peer=None))}
         if shared and share is None and round in self.shared:
             where = self.shared[round]
-            self.stats.add("serve", t0, self.stats.now(), "comms", bytes=where.nbytes, shared=where.nbytes)
+            if round not in self.offered:  # an offered contribution was counted when offered
+                self.stats.add("serve", t0, self.stats.now(), "comms", bytes=where.nbytes, shared=where.nbytes)
             return {"reply": to_serialize(SharedContribution(where=where))}
         leaves = contribution[1]
         if share is not None:
