@@ -111,8 +111,8 @@ class AveragingRun(WorkerRun):
         # was not finite, replayed from ``start``, the state it began with, with train_step
         # (the steps are deterministic). One step at a time, the first step keeps that state
         # (kept_step does not donate it), so it needs no copy (a pass over the whole state:
-        # 1.3 ms a round on the MLP with SGD, three times that with Adam); one fused call
-        # donates the state it is given, so it gets a copy.
+        # 1.8-2.4 ms a round on the benchmarks' MLP with Adam); one fused call donates the
+        # state it is given, so it gets a copy.
         start = state
         losses = []
         t0 = time.perf_counter()
