@@ -142,14 +142,17 @@ def kill_at_round(client, round_no):
     return on_round, killed
 
 
-def slow_loader(delay):
+def slow_loader(delay, pid=None):
     """A minibatch loader that sleeps ``delay`` s per file: slow rounds leave the nanny
-    time to restart a killed worker and let it rejoin while the fit is still running."""
+    time to restart a killed worker and let it rejoin while the fit is still running.
+    With ``pid``, only in that worker process (the others load at full speed)."""
 
     def load(url):
+        import os
         import time
 
-        time.sleep(delay)
+        if pid is None or os.getpid() == pid:
+            time.sleep(delay)
         return dlspark.data.load_minibatch(url)
 
     return load
