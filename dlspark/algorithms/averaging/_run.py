@@ -113,7 +113,6 @@ class AveragingRun(WorkerRun):
         # (kept_step does not donate it), so it needs no copy (a pass over the whole state:
         # 1.8-2.4 ms a round on the benchmarks' MLP with Adam); one fused call donates the
         # state it is given, so it gets a copy.
-        start = state
         losses = []
         t0 = time.perf_counter()
         self.prefetch.expect(refs, next_refs)
@@ -122,8 +121,7 @@ class AveragingRun(WorkerRun):
         rec = self.stats
         staged = list(self.batches(refs)) if self.master.fused_steps and len(refs) > 1 else None
         fused = staged is not None and one_shape(b for _, b in staged)
-        if fused:
-            start = steps.copy_state(state)
+        start = steps.copy_state(state) if fused else state
         if self.outer is not None:  # the outer step starts from the round's parameters
             self._start = (start.params, self.outer_state)
         if fused:
