@@ -290,3 +290,28 @@ def test_a_killed_worker_leaves_no_segment_behind(client2, make_net, digits, tmp
     # the survivor lets go of its files and of its mappings when the job closes, and the
     # kernel frees the memory with the last of them
     assert _held_by_workers(client2) == {}
+
+
+def _collections():
+    from dlspark.distributed import _shared
+
+    return _shared.collections
+
+
+def test_a_job_ends_without_a_full_collection(client2, make_net, digits):
+    # A fit's last mean reads the peer's memory in place and may still run when the job is
+    # torn down: the close waits for it, so that the views go with it and no full collection
+    # (_shared's last resort, 100 ms and more of a worker's time) is made at each fit's end.
+    # A network of 2 MB of state makes the last mean long enough to be caught running.
+    from conftest import MLP
+
+    tr, _ = digits
+    before = client2.run(_collections)
+    net = make_net(module=MLP(hidden=2048), updater=optax.adam(1e-3))
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2),
+                                 progress=False)
+    for _ in range(4):
+        trainer.fit(tr[:256])
+    trainer.close()
+    assert _held_by_workers(client2) == {}
+    assert client2.run(_collections) == before

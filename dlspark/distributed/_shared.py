@@ -198,9 +198,15 @@ def _close_mapping(mm) -> bool:
         return False
 
 
+#: full collections a close made (see _collect); a job's normal end makes none
+collections = 0
+
+
 def _collect():
     """At a close that left mappings to their views: a view held only by a reference cycle (an
     exception's traceback and the frames it holds, say) would keep the mapping, and the
     kernel the memory, until Python's next full collection, which an idle process may not
-    reach for a long time. Collect now."""
+    reach for a long time. Collect now (100 ms and more in a worker process: a last resort)."""
+    global collections
+    collections += 1
     gc.collect()

@@ -86,6 +86,14 @@ class AveragingRun(WorkerRun):
             event.set()
 
     def _close_shared(self):
+        # The last mean may still be running, reading a peer's memory in place (a host array
+        # goes to XLA's CPU client without a copy, and stays referenced until the call is done):
+        # wait for it, so that the views are let go of here, rather than by a full collection
+        # (_shared's last resort, 100 ms and more of the worker's time, at the end of every fit).
+        try:
+            jax.block_until_ready(self.state)
+        except Exception:  # buffers a failed call had donated: nothing of them runs
+            pass
         self.shared.clear()
         if self.slots is not None:
             self.slots.close()
