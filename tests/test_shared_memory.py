@@ -315,3 +315,43 @@ def test_a_job_ends_without_a_full_collection(client2, make_net, digits):
     trainer.close()
     assert _held_by_workers(client2) == {}
     assert client2.run(_collections) == before
+
+
+def test_extension_dtypes_cross_as_themselves():
+    # bfloat16's dtype string is "<V2" (raw bytes): the layout carries the dtype itself, so
+    # the reader's view is bfloat16 with the writer's values, not bytes.
+    import jax.numpy as jnp
+
+    slots, views = SharedSlots("dlspark-test-bf16"), SharedViews()
+    leaves = [np.asarray(jnp.arange(5, dtype=jnp.bfloat16) / 4), np.arange(3, dtype=np.float32)]
+    got = views.views(slots.put(0, leaves))
+    assert [g.dtype for g in got] == [x.dtype for x in leaves]
+    for g, x in zip(got, leaves):
+        np.testing.assert_array_equal(g, x)
+    del got
+    views.close()
+    slots.close()
+    # leaves a memory file cannot hold: the job keeps the comms, as when memory is short
+    odd = SharedSlots("dlspark-test-odd")
+    assert odd.put(0, [np.array([object()], dtype=object)]) is None and odd.failed
+    odd.close()
+
+
+def test_a_network_with_bfloat16_parameters_averages_through_shared_memory(client2, make_net, digits):
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class Half(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            h = nn.relu(nn.Dense(24, param_dtype=jnp.bfloat16, dtype=jnp.float32)(x))
+            return nn.Dense(10, param_dtype=jnp.bfloat16, dtype=jnp.float32)(h)
+
+    tr, _ = digits
+    net = make_net(module=Half(), updater=optax.adam(1e-2, mu_dtype=jnp.float32))
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3),
+                                 progress=False)
+    trainer.fit(tr[:192])
+    assert all(s["bytes_shared"] == s["bytes_received"] > 0 for s in trainer.last_fit_stats)
+    assert {np.asarray(x).dtype for x in jax_leaves(net.state.params)} == {np.dtype(jnp.bfloat16)}
+    trainer.close()

@@ -57,7 +57,8 @@ def same_host(a: str, b: str) -> bool:
 class SharedLeaves:
     """Where a list of arrays lies: the writer's process and file descriptor, the file's
     identity ``(st_dev, st_ino)`` (which tells it from a later file with the same number,
-    and which a reader checks), its size, and per array ``(offset, shape, dtype string)``."""
+    and which a reader checks), its size, and per array ``(offset, shape, dtype)``: the dtype
+    itself, since the string of an extension type (bfloat16's is ``"<V2"``) names raw bytes."""
 
     pid: int
     fd: int
@@ -82,7 +83,7 @@ def _layout(leaves) -> tuple[tuple, int]:
     out, end = [], 0
     for x in leaves:
         start = -(-end // _ALIGN) * _ALIGN
-        out.append((start, tuple(x.shape), x.dtype.str))
+        out.append((start, tuple(x.shape), x.dtype))
         end = start + x.nbytes
     return tuple(out), max(end, 1)
 
@@ -121,11 +122,11 @@ class SharedSlots:
         layout, size = _layout(leaves)
         try:
             fd, mm, size, identity = self._file(slot, size)
-        except OSError:  # no memory to spare: this job keeps the comms
-            self.failed = True
+            for x, (offset, shape, dt) in zip(leaves, layout):
+                np.copyto(_view(mm, offset, shape, dt), x)
+        except (OSError, TypeError, ValueError):  # no memory to spare, or leaves it cannot hold:
+            self.failed = True                    # this job keeps the comms
             return None
-        for x, (offset, shape, dt) in zip(leaves, layout):
-            np.copyto(_view(mm, offset, shape, dt), x)
         return SharedLeaves(os.getpid(), fd, identity, size, layout)
 
     def _drop(self, slot: int) -> bool:
