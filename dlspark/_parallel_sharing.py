@@ -307,7 +307,7 @@ def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, 
                 if checkpoint_every and round_no % checkpoint_every == 0:
                     over = len(done) == len(refs)  # the epoch's last round: the checkpoint is at the next's start
                     progress = {"epoch": epochs_done + epoch + over, "done": [] if over else sorted(done),
-                                "epochs_total": epochs_total}
+                                "epochs_total": epochs_total, "minibatches": len(refs)}
                     reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + epoch + over, progress,
                                          checkpoint_options)
 

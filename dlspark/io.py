@@ -15,7 +15,8 @@ import fsspec
 #: recursion depth mismatch" when two threads parse at once).
 NPY_READ_LOCK = threading.Lock()
 
-__all__ = ["atomic_write", "write_bytes", "read_bytes", "write_text", "read_text", "url_join", "is_glob"]
+__all__ = ["atomic_write", "write_bytes", "read_bytes", "write_text", "read_text", "url_join", "is_glob",
+           "check_writable"]
 
 # On object stores a single PUT is already all-or-nothing, and a rename is a
 # copy: there we write in place.  Elsewhere we write a hidden temporary file
@@ -58,7 +59,12 @@ def atomic_write(url: str, mode: str = "wb", **storage_options):
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     parent = posixpath.dirname(path)
     if parent:
-        fs.makedirs(parent, exist_ok=True)
+        try:
+            fs.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            if e.errno is None:
+                raise
+            raise type(e)(e.errno, f"{e.strerror}: {parent!r}, the directory of {url!r}", url) from e
     if _protocol(fs) in _OBJECT_STORES:
         with fs.open(path, mode) as f:
             yield f
@@ -74,10 +80,32 @@ def atomic_write(url: str, mode: str = "wb", **storage_options):
             os.replace(tmp, path)
         else:
             fs.mv(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(Exception):
             fs.rm(tmp)
+        if isinstance(e, OSError) and e.errno is not None and e.filename != url:
+            # the error names the temporary file: name the file being written too
+            raise type(e)(e.errno, f"{e.strerror}, writing {url!r} (through the temporary file {tmp!r})",
+                          url) from e
         raise
+
+
+def check_writable(url: str, what: str) -> None:
+    """On a local file system, that a file can be written at ``url`` (its directory made if
+    missing), so that a fit refuses an unwritable ``checkpoint_url`` before it trains, not at
+    its first checkpoint. Other file systems answer when written to."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if _protocol(fs) != "file":
+        return
+    parent = posixpath.dirname(path) or "."
+    try:
+        fs.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise type(e)(e.errno, f"{what} {url!r} cannot be written: its directory {parent!r} cannot be made "
+                               f"({e.strerror})", url) from None
+    if not os.access(parent, os.W_OK | os.X_OK) or os.path.isdir(path):
+        why = "is a directory" if os.path.isdir(path) else f"the directory {parent!r} is not writable"
+        raise PermissionError(f"{what} {url!r} cannot be written: {why}; give a file URL in a writable place")
 
 
 def write_bytes(url: str, data: bytes, **storage_options) -> None:

@@ -278,6 +278,19 @@ def _to_device_batch(ds):
     return jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
 
 
+def _check_class_ids(labels, ids) -> None:
+    """Raise ``ValueError`` naming the class ids of ``labels`` outside ``[0, classes)``."""
+    labs = _as_tuple(labels)
+    for i, n in ids:
+        lab = np.asarray(labs[i])
+        if lab.size and (lab.min() < 0 or lab.max() >= n):
+            bad = np.unique(lab[(lab < 0) | (lab >= n)])
+            where = f"labels[{i}]" if len(labs) > 1 else "the labels"
+            raise ValueError(f"{where} hold class ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''} outside "
+                             f"[0, {n}): the model has {n} outputs, so class ids run from 0 to {n - 1} "
+                             "(ids counted from 1 need 1 subtracted)")
+
+
 class Network:
     """A model with its loss, optax updater and train state (DL4J's MultiLayerNetwork/ComputationGraph).
 
@@ -333,7 +346,8 @@ class Network:
         #: Names this network's definition: workers keep one compiled copy per token.
         self.token = uuid.uuid4().hex
         self._steps = None
-        self._checked_shapes: set = set()
+        self._checked_shapes: dict = {}  # batch shapes -> [(labels array, classes)] of class-id labels
+        self._output_checked: set = set()  # feature shapes output has taken
         #: ``(iteration, loss)`` of every minibatch fitted so far (DL4J's score listener).
         self.score_history: list = []
 
@@ -396,22 +410,21 @@ class Network:
 
     def _check_jit_batch(self, batch) -> None:
         x, y, fm, lm = batch
+        if y is None or (isinstance(y, tuple) and (not y or any(a is None for a in y))):
+            raise ValueError("the data set has no labels: training, scoring and evaluation need them "
+                             "(for outputs alone, use output or predict_with_keys)")
         if type(x) is np.ndarray and type(y) is np.ndarray and fm is None and lm is None:
             key = (x.shape[1:], x.dtype, y.shape[1:], y.dtype)  # the common case, without a tree walk
         else:
             leaves, treedef = jax.tree_util.tree_flatten(batch)
             key = (treedef, tuple((a.shape[1:], a.dtype) if hasattr(a, "dtype")
                                   else (np.shape(a)[1:], np.asarray(a).dtype) for a in leaves))
-        if key in self._checked_shapes:
+        ids = self._checked_shapes.get(key)
+        if ids is not None:
+            if ids:
+                _check_class_ids(y, ids)
             return
-        try:
-            out = jax.eval_shape(lambda s, xx, m: self.model.apply_eval(s.params, s.model_state, xx, m),
-                                 self.state, x, fm)
-        except Exception as e:
-            raise ValueError(
-                f"the model cannot take features of shape {jax.tree_util.tree_map(np.shape, x)} "
-                f"(example input: {jax.tree_util.tree_map(np.shape, self.model.example_input)}): {e}"
-            ) from None
+        out = self._output_shapes(x, fm)
         outs, labs = _as_tuple(out), _as_tuple(y)
         if len(outs) != len(labs):
             raise ValueError(f"the model gives {len(outs)} outputs but the data has {len(labs)} labels arrays")
@@ -423,7 +436,26 @@ class Network:
         for lmask, o in zip(lms * (len(outs) if len(lms) == 1 else 1), outs):
             if lmask is not None:
                 _losses._broadcast_mask(jnp.zeros(lmask.shape), o.shape[:-1])
-        self._checked_shapes.add(key)
+        # integer class ids (one axis fewer than the outputs): their values are checked on every
+        # minibatch (out of range, they index past the outputs, which gives a NaN loss or, below 0,
+        # silently the last class)
+        ids = [(i, o.shape[-1]) for i, (o, lab) in enumerate(zip(outs, labs))
+               if len(lab.shape) == len(o.shape) - 1 and np.issubdtype(lab.dtype, np.integer)]
+        if ids:
+            _check_class_ids(y, ids)
+        self._checked_shapes[key] = ids
+
+    def _output_shapes(self, x, fm):
+        """The model's outputs for features ``x`` as shapes, or a ``ValueError`` naming the
+        features' shape and the model's example input when it cannot take them."""
+        try:
+            return jax.eval_shape(lambda s, xx, m: self.model.apply_eval(s.params, s.model_state, xx, m),
+                                  self.state, x, fm)
+        except Exception as e:
+            raise ValueError(
+                f"the model cannot take features of shape {jax.tree_util.tree_map(np.shape, x)} "
+                f"(example input: {jax.tree_util.tree_map(np.shape, self.model.example_input)}): {e}"
+            ) from None
 
     # --- training -------------------------------------------------------------
     def _minibatches(self, data, batch_size, epochs):
@@ -483,6 +515,8 @@ class Network:
             raise ValueError(f"steps_per_call must be a positive integer or None (chosen per network), "
                              f"got {steps_per_call!r}")
         batches, are_urls = self._minibatches(data, batch_size, epochs)
+        if hasattr(batches, "__len__") and len(batches) == 0:
+            raise ValueError("the data holds no examples: fit needs at least one minibatch, got an empty dataset")
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -650,6 +684,8 @@ class Network:
     def fit_minibatch(self, ds) -> float:
         """One training step on one minibatch; returns its loss (DL4J's ``fit(DataSet)``)."""
         ds = as_dataset(ds)
+        if len(ds) == 0:
+            raise ValueError("the minibatch holds no examples: a step needs at least one")
         self.check_batch(ds)
         it = int(self.state.step)
         self.state, loss, ok = self.steps.train_step(self.state, _to_device_batch(ds))
@@ -673,9 +709,18 @@ class Network:
         """Forward pass in inference mode; numpy outputs (a tuple for multi-output models)."""
         x = jax.tree_util.tree_map(np.asarray, features)
         n = jax.tree_util.tree_leaves(x)[0].shape[0]
-        step = n if not batch_size else int(batch_size)
+        if batch_size is not None and (isinstance(batch_size, (bool, np.bool_))
+                                       or not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer or None (all examples at once), "
+                             f"got {batch_size!r}")
+        step = int(batch_size) if batch_size else max(n, 1)
+        key = jax.tree_util.tree_structure((x, features_mask)), tuple(
+            (np.shape(a)[1:], np.asarray(a).dtype) for a in jax.tree_util.tree_leaves((x, features_mask)))
+        if key not in self._output_checked:  # once per shape: a clear error, not the model's own
+            self._output_shapes(x, features_mask)
+            self._output_checked.add(key)
         parts = []
-        for i in range(0, n, max(step, 1)):
+        for i in range(0, max(n, 1), step):  # no examples: one call on the empty arrays
             xs = jax.tree_util.tree_map(lambda a: a[i:i + step], x)
             ms = None if features_mask is None else jax.tree_util.tree_map(lambda a: a[i:i + step], features_mask)
             parts.append(jax.tree_util.tree_map(np.asarray, self.steps.output(self.state, xs, ms)))
@@ -700,6 +745,8 @@ class Network:
         """Per-example loss (mean over unmasked time steps for sequences)."""
         ds = as_dataset(data)
         self.check_batch(ds)
+        if len(ds) == 0:  # no examples, no losses
+            return np.zeros(0, np.float32)
         return np.concatenate([np.asarray(self.steps.per_example_loss(self.state, _to_device_batch(b)))
                                for b in ds.batches(batch_size)])
 

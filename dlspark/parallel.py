@@ -39,7 +39,7 @@ from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_
 from .data._sources import keyed_features as require_keyed
 from .distributed._client import _progress_bar, _resume
 from .evaluation import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
-from .io import write_bytes
+from .io import check_writable, write_bytes
 from .network import Network
 
 __all__ = ["ParallelWrapper", "resolve_devices"]
@@ -258,11 +258,15 @@ class ParallelWrapper:
     @staticmethod
     def _check(epochs, checkpoint_every, checkpoint_url):
         positive_int("epochs", epochs)
+        if checkpoint_url is not None and checkpoint_every is None:
+            raise ValueError("checkpoint_url needs checkpoint_every, the rounds between two checkpoints, e.g. "
+                             "fit(data, checkpoint_every=10, checkpoint_url=...); without it no checkpoint is written")
         if checkpoint_every is not None:
             positive_int("checkpoint_every", checkpoint_every)
             if not checkpoint_url:
                 raise ValueError("checkpoint_every needs checkpoint_url, e.g. "
                                  "fit(data, checkpoint_every=10, checkpoint_url='file:///tmp/ck.dls')")
+            check_writable(checkpoint_url, "checkpoint_url")
 
     def _function(self, kind):
         if kind not in self._functions:
@@ -305,7 +309,7 @@ class ParallelWrapper:
         skip, saved_rngs, epochs_done, epochs_total = (), None, 0, epochs
         if resume_from is not None:  # the cluster's resume: the same checks, meta and state
             epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(
-                self, resume_from, epochs, self._checkpoint_options)
+                self, resume_from, epochs, len(refs), self._checkpoint_options)
             if epochs <= 0:  # the checkpoint's fit was finished: nothing to train
                 self.last_fit_stats = []
                 return net
@@ -383,7 +387,7 @@ class ParallelWrapper:
         if resume_from is not None:  # the cluster's resume: the same checks, meta and thresholds
             total = epochs
             epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(
-                self, resume_from, epochs, self._checkpoint_options)
+                self, resume_from, epochs, len(refs), self._checkpoint_options)
             if epochs <= 0:
                 self.last_fit_stats = []
                 return self.network

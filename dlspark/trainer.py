@@ -237,6 +237,8 @@ class DistributedTrainer:
         each worker evaluates its share, the partial evaluations merge on the workers. A
         multi-output network is evaluated one output at a time: ``output`` picks it (the
         evaluate methods take it too)."""
+        if batch_size is not None:
+            positive_int("batch_size", batch_size)
         return _inf.do_evaluation(self.client, self._network_future(), data, evaluations,
                                   batch_size or self.eval_batch_size, loader=loader, storage_options=storage_options,
                                   threads=self.eval_num_workers, n_workers=len(self._workers()), output=output)
@@ -272,6 +274,7 @@ class DistributedTrainer:
         """Keyed inference (DL4J's ``feedForwardWithKey``): a dict, a list of ``(key, array)``
         pairs or a dask bag of pairs in, the same kind of keyed outputs out (a tuple per key
         for multi-output networks). ``features_mask`` maps keys to per-example masks."""
+        positive_int("batch_size", batch_size)
         return _inf.predict_with_keys(self.client, self._network_future(), keyed_features, batch_size,
                                       features_mask, self._workers())
 

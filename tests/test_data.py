@@ -148,6 +148,12 @@ def test_list_minibatches_errors(tmp_path):
         list_minibatches(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="empty"):
         list_minibatches([])
+    # a list naming local files: each must exist (remote URLs are named when read)
+    urls = save_minibatches(*_arrays(8), str(tmp_path / "mb"), batch_size=4)
+    assert list_minibatches(urls) == urls
+    with pytest.raises(FileNotFoundError, match=r"1 of the 3 listed minibatch files do not exist, e.g. '.*gone.npz'"):
+        list_minibatches(urls + [str(tmp_path / "mb" / "gone.npz")])
+    assert list_minibatches(["s3://bucket/not-checked.npz"]) == ["s3://bucket/not-checked.npz"]
 
 
 def test_text_round_trip_any_url(tmp_path):
@@ -165,3 +171,46 @@ def test_errors_survive_pickling_across_processes():
     for e in (CorruptMinibatchError("u.npz", "bad"), CheckpointError("c.dls", "bad"), NonFiniteLossError(3, float("nan"))):
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and str(back) == str(e)
+
+
+@pytest.mark.parametrize("base", ["memory://mbtest-again", "LOCAL"])
+def test_saving_into_a_directory_of_minibatches_is_refused_unless_it_replaces_them(base, tmp_path):
+    # A fit of the directory takes every minibatch file in it: old files left beside new ones
+    # would be trained on too.
+    base = (tmp_path.as_uri() if base == "LOCAL" else base) + "/set"
+    x, y = _arrays(16)
+    first = save_minibatches(x, y, base, batch_size=4)
+    with pytest.raises(FileExistsError, match="already holds 4 minibatch file.*batch_\\*.npz.*overwrite=True"):
+        save_minibatches(x[:8], y[:8], base, batch_size=4)
+    assert len(list_minibatches(base)) == 4  # nothing was written or removed
+    # another writer's shard, under its own prefix, goes beside them and stays
+    shard = save_minibatches(x[:4] + 2, y[:4], base, batch_size=4, prefix="other")
+    second = save_minibatches(x[:8] + 1, y[:8], base, batch_size=4, overwrite=True)
+    assert second == first[:2]
+    listed = list_minibatches(base)
+    assert len(listed) == 3 and listed[2].endswith(shard[0].rsplit("/", 1)[-1])
+    np.testing.assert_array_equal(DataSet.merge([load_minibatch(u) for u in listed[:2]]).features, x[:8] + 1)
+
+
+def test_save_minibatches_refuses_what_it_cannot_write_by_name(tmp_path):
+    x, y = _arrays(8)
+    with pytest.raises(TypeError, match="directory url as a string.*got int 16"):
+        save_minibatches(x, y, 16)
+    with pytest.raises(ValueError, match="has no labels"):
+        save_minibatches(DataSet(x, None), url=str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="holds no examples"):
+        save_minibatches(x[:0], y[:0], str(tmp_path / "b"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_dataset_indexing_takes_python_and_numpy_integers_and_refuses_out_of_range():
+    x, y = _arrays(6)
+    ds = DataSet(x, y)
+    for i in (3, np.int64(3), -3):
+        one = ds[i]
+        assert len(one) == 1 and one.features.shape == (1,) + x.shape[1:]
+        np.testing.assert_array_equal(one.features[0], x[3])
+    np.testing.assert_array_equal(ds[-1].labels[0], y[-1])
+    for i in (6, -7, np.int32(100)):
+        with pytest.raises(IndexError, match="out of range for a data set of 6 examples"):
+            ds[i]

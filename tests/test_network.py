@@ -151,6 +151,54 @@ def test_bad_labels_and_features_raise_clear_errors(make_net, digits):
     net.fit(DataSet(tr.features, tr.labels.argmax(1).astype(np.int32)))
 
 
+def test_class_ids_outside_the_outputs_are_refused_on_every_minibatch(make_net, digits):
+    # Out of range, a class id indexes past the outputs: a NaN loss (and advice about the
+    # learning rate) above, silently the last class below 0. Checked by value on each
+    # minibatch, not once per shape; the network keeps its parameters.
+    tr, _ = digits
+    net = make_net()
+    ids = tr.labels.argmax(1).astype(np.int32)
+    before = jax.tree_util.tree_map(np.asarray, net.state.params)
+    with pytest.raises(ValueError, match=r"class ids \[10\] outside \[0, 10\).*from 0 to 9"):
+        net.fit(DataSet(tr.features[:64], ids[:64] + 1), batch_size=32)
+    bad = ids[:64].copy()
+    bad[40] = -1  # in the second minibatch, whose shape the first one checked
+    with pytest.raises(ValueError, match=r"class ids \[-1\] outside"):
+        net.fit(DataSet(tr.features[:64], bad), batch_size=32, steps_per_call=1)
+    assert net.iteration == 1  # the first minibatch trained, the second was refused
+    net2 = make_net()
+    with pytest.raises(ValueError, match=r"class ids \[10\] outside"):
+        net2.fit_minibatch(DataSet(tr.features[:8], np.full(8, 10, np.int32)))
+    assert tree_equal(before, jax.tree_util.tree_map(np.asarray, net2.state.params))
+    from dlspark.evaluation import Evaluation
+
+    with pytest.raises(ValueError, match=r"class ids \[10\] outside \[0, 10\)"):
+        Evaluation().update(np.full(8, 10), np.ones((8, 10)) / 10)
+
+
+def test_empty_and_unlabelled_data_and_bad_batch_sizes_are_refused_by_name(make_net, digits):
+    tr, _ = digits
+    net = make_net()
+    with pytest.raises(ValueError, match="holds no examples"):
+        net.fit(tr[:0])
+    with pytest.raises(ValueError, match="holds no examples"):
+        net.fit([])
+    with pytest.raises(ValueError, match="holds no examples"):
+        net.fit_minibatch(tr[:0])
+    assert (net.iteration, net.epoch) == (0, 0)
+    with pytest.raises(ValueError, match="has no labels"):
+        net.fit(DataSet(tr.features[:32], None))
+    assert net.output(tr.features[:0]).shape == (0, 10)
+    assert net.score_examples(tr[:0]).shape == (0,)
+    out = net.output(tr.features[:40], batch_size=16)
+    assert out.shape == (40, 10)
+    for bad in (-2, 0, 2.5, True):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer or None"):
+            net.output(tr.features[:40], batch_size=bad)
+    with pytest.raises(ValueError, match=r"cannot take features of shape \(4, 10\)"):
+        net.output(tr.features[:4, :10])
+
+
 def test_nonfinite_loss_raises_naming_the_iteration_and_keeps_params(make_net, digits):
     tr, _ = digits
     bad = tr.features[:64].copy()

@@ -19,7 +19,7 @@ import dlspark
 from dlspark import DataSet, DistributedTrainer, GradientSharing, ParallelWrapper, ParameterAveraging
 from dlspark.algorithms.averaging._numerics import outer_step
 from dlspark.checkpoint import read_checkpoint_meta
-from dlspark.errors import NonFiniteLossError
+from dlspark.errors import CheckpointError, NonFiniteLossError
 from dlspark.evaluation import Evaluation, RegressionEvaluation
 
 CPU2 = jax.devices("cpu")[:2]
@@ -329,7 +329,7 @@ def test_gradient_sharing_checkpoints_the_state_it_reached_and_resumes_the_rest(
     ParallelWrapper(straight, master, CPU2, progress=False).fit(data, checkpoint_every=3, checkpoint_url=url)
     meta = read_checkpoint_meta(url)  # round 3: 6 steps of 2 devices
     assert (meta["iteration"], meta["epoch"], len(meta["worker_rngs"])) == (12, 0, 2)
-    assert meta["fit_progress"] == {"epoch": 0, "done": list(range(12)), "epochs_total": 1}
+    assert meta["fit_progress"] == {"epoch": 0, "done": list(range(12)), "epochs_total": 1, "minibatches": 20}
     assert len(meta["threshold_states"]["states"]) == 2
     # replica 0's state then: what a fit on just those 12 minibatches ends with
     prefix = make_net(MLP(dropout=0.3))
@@ -357,7 +357,8 @@ def test_gradient_sharing_checkpoints_the_state_it_reached_and_resumes_the_rest(
         data, epochs=2, checkpoint_every=5, checkpoint_url=url)
     meta = read_checkpoint_meta(url)
     assert (meta["iteration"], meta["epoch"], meta["fit_progress"]) == (40, 2, {"epoch": 2, "done": [],
-                                                                                "epochs_total": 2})
+                                                                                "epochs_total": 2,
+                                                                                "minibatches": 20})
 
 
 def test_bad_arguments_are_named():
@@ -411,7 +412,7 @@ def test_a_checkpoint_of_either_trainer_resumes_in_the_other(client2, make_net, 
     url = str(tmp_path / "ck.dls")
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2)
 
-    def trainer(net, who):
+    def trainer(net, who, master=master):
         if who == "cluster":
             return DistributedTrainer(client2, net, master, progress=False)
         return ParallelWrapper(net, master, CPU2, progress=False)
@@ -419,6 +420,17 @@ def test_a_checkpoint_of_either_trainer_resumes_in_the_other(client2, make_net, 
     reader = "wrapper" if writer == "cluster" else "cluster"
     straight = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
     trainer(straight, writer).fit(data, epochs=2, checkpoint_every=7, checkpoint_url=url)
+    # The minibatches it marks as done are positions in its own data: other data, or the same
+    # data cut into other minibatches, is refused by both trainers, and the network is untouched.
+    for who in (writer, reader):
+        other = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
+        before = jax.tree_util.tree_map(np.asarray, other.state.params)
+        for data_, batch in ((tr[:320], 32), (data, 64)):
+            t = trainer(other, who, ParameterAveraging(batch_size_per_worker=batch, averaging_frequency=2))
+            with pytest.raises(CheckpointError, match="20 minibatches an epoch, and this fit's data makes 10"):
+                t.fit(data_, epochs=2, resume_from=url)
+        _close(other.state.params, before, rtol=0, atol=0)
+        assert other.iteration == 0
     resumed = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
     trainer(resumed, reader).fit(data, epochs=2, resume_from=url)
     _close(resumed.state.params, straight.state.params, rtol=1e-4, atol=1e-6)

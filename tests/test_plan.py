@@ -102,7 +102,7 @@ def test_progress_reports_done_minibatches():
     c = Coordinator([0] * 4, epochs=1, steps_per_round=1)
     p = c.plan_round(["a", "b"])
     c.complete_round(p, ["a", "b"])
-    assert c.progress() == {"epoch": 0, "done": [0, 1]}
+    assert c.progress() == {"epoch": 0, "done": [0, 1], "minibatches": 4}
 
 
 def test_tree_links_form_a_tree_with_bounded_fanout():

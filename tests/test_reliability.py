@@ -298,6 +298,8 @@ def test_a_file_damaged_mid_fit_is_named_with_its_round_and_a_resume_completes(c
 
     with pytest.raises(CorruptMinibatchError, match=r"batch_000009\.npz.*round 6"):
         trainer.fit_paths(str(tmp_path / "mb"), epochs=2, checkpoint_every=4, checkpoint_url=ck, callbacks=[on_round])
+    # a failed fit is all or nothing: the network is as it was; the checkpoint keeps the progress
+    assert (trainer.network.iteration, trainer.network.epoch, trainer.loss_history) == (0, 0, [])
     # the cluster is usable at once, and the resume with the file restored completes
     open(victim, "wb").write(good)
     trainer.fit_paths(str(tmp_path / "mb"), epochs=2, resume_from=ck)

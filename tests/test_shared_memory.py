@@ -355,3 +355,39 @@ def test_a_network_with_bfloat16_parameters_averages_through_shared_memory(clien
     assert all(s["bytes_shared"] == s["bytes_received"] > 0 for s in trainer.last_fit_stats)
     assert {np.asarray(x).dtype for x in jax_leaves(net.state.params)} == {np.dtype(jnp.bfloat16)}
     trainer.close()
+
+
+def _unmappable(on):
+    # What a reader in another pid namespace on the same host address meets: the writer's
+    # /proc/<pid>/fd/<fd> is not there. (Such a namespace cannot be made for a test here.)
+    import builtins
+
+    from dlspark.distributed._shared import SharedViews
+
+    if on:
+        builtins._dlspark_views = SharedViews.views
+
+        def views(self, where, round=None):
+            builtins._dlspark_tries = getattr(builtins, "_dlspark_tries", 0) + 1
+            raise FileNotFoundError(f"/proc/{where.pid}/fd/{where.fd}")
+
+        SharedViews.views = views
+        builtins._dlspark_tries = 0
+        return 0
+    SharedViews.views = builtins._dlspark_views
+    return builtins._dlspark_tries
+
+
+def test_a_reader_that_cannot_map_a_live_peers_file_keeps_the_comms_for_the_rest_of_the_job(client2, make_net,
+                                                                                              digits):
+    tr, _ = digits
+    reader = sorted(client2.scheduler_info()["workers"])[0]
+    client2.run(_unmappable, True, workers=[reader])
+    try:
+        trainer = _fit(client2, make_net, tr)  # 18 minibatches: 3 rounds
+    finally:
+        tries = client2.run(_unmappable, False, workers=[reader])[reader]
+    # one failed map; the peer answered through the comms, so no later round tries again
+    assert tries == 1
+    assert len(trainer.last_fit_stats) == 3 and all(s["bytes_received"] > 0 for s in trainer.last_fit_stats)
+    trainer.close()

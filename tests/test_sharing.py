@@ -224,6 +224,7 @@ def test_a_job_compiles_each_of_its_steps_once(client2, make_net, digits, algori
     net = make_net(MLP(hidden=24), updater=optax.adam(1e-2))  # a network no earlier test compiled
     trainer = DistributedTrainer(client2, net, master, progress=False)
     trainer.fit(tr[:384])  # 12 minibatches: 3 rounds of 2 workers x 2
+    trainer.fit(tr[:384])  # and a second fit compiles nothing (each job unpickles its own master)
     steps = {"jit(bare_step)", "jit(kept_step)", "jit(bare_steps)", "jit(loop_steps)", "jit(copy_state)", "jit(all_finite)", "jit(_mean)", "jit(<lambda>)",
              "jit(update)", "jit(flat_update)", "jit(apply_flat)", "jit(add_flat)"}
     compiled = collections.Counter((e["worker"], e["function"]) for e in trainer.training_stats.events

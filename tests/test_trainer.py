@@ -245,6 +245,23 @@ def test_memory_urls_and_bad_paths_fail_clearly_and_leave_the_cluster_usable(cli
         trainer.fit_paths(str(tmp_path / "mb"))
     with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_url"):
         trainer.fit(tr, checkpoint_every=2)
+    with pytest.raises(ValueError, match="checkpoint_url needs checkpoint_every.*no checkpoint is written"):
+        trainer.fit(tr, checkpoint_url=str(tmp_path / "ck.dls"))
+    # an unwritable checkpoint_url is refused before any training, not at the first checkpoint
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o500)
+    try:
+        if not os.access(tmp_path / "ro", os.W_OK):  # (root may write anywhere)
+            with pytest.raises(PermissionError, match="checkpoint_url .*ro/ck.dls.* cannot be written"):
+                trainer.fit(tr, checkpoint_every=1, checkpoint_url=str(tmp_path / "ro" / "ck.dls"))
+    finally:
+        os.chmod(tmp_path / "ro", 0o700)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match="checkpoint_url .*file/ck.dls.* cannot be written"):
+        trainer.fit(tr, checkpoint_every=1, checkpoint_url=str(tmp_path / "file" / "ck.dls"))
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got -1"):
+        trainer.predict_with_keys({"a": tr.features[:2]}, batch_size=-1)
+    assert trainer.network.iteration == 0
     # the cluster still trains
     before = trainer.network.iteration
     trainer.fit(tr[:256])
@@ -539,3 +556,27 @@ def test_a_trainer_never_closed_leaves_no_temporary_exports(client2, make_net, d
     gc.collect()
     assert not os.path.exists(temporary)
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_masters_take_numpy_integers_as_python_ints():
+    # settings read from arrays or configs arrive as numpy integers; they are kept as ints
+    # (a numpy integer would not go into a checkpoint's JSON)
+    m = ParameterAveraging(batch_size_per_worker=np.int64(32), averaging_frequency=np.int32(4))
+    assert (m.batch_size_per_worker, m.averaging_frequency) == (32, 4)
+    assert type(m.batch_size_per_worker) is int and type(m.averaging_frequency) is int
+    g = dlspark.GradientSharing(steps_per_round=np.int64(8), max_staleness=np.int64(0))
+    assert type(g.steps_per_round) is int and type(g.max_staleness) is int
+    for bad in (np.bool_(True), True, 2.0, np.float64(3), -1):
+        with pytest.raises(ValueError, match="averaging_frequency must be an integer >= 1"):
+            ParameterAveraging(averaging_frequency=bad)
+
+
+def test_a_failed_atomic_write_names_the_file_it_was_writing(tmp_path):
+    from dlspark.io import write_bytes
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match=r"file', the directory of '.*file/x.bin'"):
+        write_bytes(str(tmp_path / "file" / "x.bin"), b"1")
+    if os.path.isdir("/proc/self"):  # a directory that takes no new files, even from root
+        with pytest.raises(OSError, match=r"writing '/proc/x.bin' \(through the temporary file"):
+            write_bytes("/proc/x.bin", b"1")

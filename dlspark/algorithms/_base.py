@@ -9,7 +9,10 @@ machine and the trainer call these hooks and never ask which algorithm it is.
 
 from __future__ import annotations
 
+import numbers
 from typing import ClassVar
+
+import numpy as np
 
 from ..distributed._messages import JobOptions, Reply
 
@@ -21,9 +24,17 @@ REPARTITION = ("always", "never", "num_partitions_workers_differs")
 REPARTITION_STRATEGIES = ("balanced", "spark_default")
 
 
-def positive_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def positive_int(name, value, minimum=1) -> int:
+    """``value`` as an int, checked to be an integer (numpy's too, not a bool) >= ``minimum``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def int_setting(master, name, minimum=1) -> None:
+    """Check a master's integer setting and keep it as a Python int (a numpy integer would not
+    go into a checkpoint's JSON)."""
+    object.__setattr__(master, name, positive_int(name, getattr(master, name), minimum))
 
 
 def choice(name, value, allowed):
@@ -33,8 +44,8 @@ def choice(name, value, allowed):
 
 def check_common(m):
     """The checks of the settings every master has."""
-    positive_int("batch_size_per_worker", m.batch_size_per_worker)
-    positive_int("worker_prefetch_num_batches", m.worker_prefetch_num_batches, minimum=0)
+    int_setting(m, "batch_size_per_worker")
+    int_setting(m, "worker_prefetch_num_batches", minimum=0)
     choice("training_approach", m.training_approach, TRAINING_APPROACHES)
     choice("repartition", m.repartition, REPARTITION)
     choice("repartition_strategy", m.repartition_strategy, REPARTITION_STRATEGIES)

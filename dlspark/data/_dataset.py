@@ -67,8 +67,13 @@ class _Base:
         return out
 
     def __getitem__(self, index):
-        if isinstance(index, int):
-            index = slice(index, index + 1)
+        """A slice, an index array or mask, or one example (as a data set of one)."""
+        if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
+            n, i = len(self), int(index)
+            if not -n <= i < n:
+                raise IndexError(f"example {i} is out of range for a data set of {n} examples")
+            i %= n
+            index = slice(i, i + 1)
         return self._take(index)
 
     def batches(self, batch_size: int) -> list:

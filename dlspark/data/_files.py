@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 import struct
 import zipfile
@@ -32,7 +33,7 @@ def save_dataset(data, url: str, **storage_options) -> str:
 
 
 def save_minibatches(features, labels=None, url: str = None, batch_size: int = 32, *,
-                     features_mask=None, labels_mask=None, prefix: str = "batch",
+                     features_mask=None, labels_mask=None, prefix: str = "batch", overwrite: bool = False,
                      **storage_options) -> list:
     """Export data as minibatch files under the directory ``url`` (DL4J's batch-and-export).
 
@@ -46,6 +47,13 @@ def save_minibatches(features, labels=None, url: str = None, batch_size: int = 3
         Directory URL (``file://``, ``memory://``, ``s3://``, or a local path).
     batch_size : int
         Examples per file; the last file holds the remainder.
+    overwrite : bool
+        A directory that already holds files of this ``prefix``
+        (``{prefix}_*.npz``) is refused, since a fit of the directory would
+        train on the old ones left beside the new; ``True`` replaces them: the
+        new files are written first, then the old ones not written over are
+        removed. Files of other prefixes are left alone (several writers, one
+        prefix each, may fill one directory).
 
     Returns
     -------
@@ -59,8 +67,9 @@ def save_minibatches(features, labels=None, url: str = None, batch_size: int = 3
     >>> [u.rsplit("/", 1)[1] for u in urls]
     ['batch_000000.npz', 'batch_000001.npz', 'batch_000002.npz']
     """
-    if url is None:
-        raise TypeError("save_minibatches needs a directory url, e.g. save_minibatches(x, y, 'file:///tmp/mb', 32)")
+    if not isinstance(url, str):
+        raise TypeError("save_minibatches needs a directory url as a string, e.g. save_minibatches(x, y, "
+                        f"'file:///tmp/mb', 32); got {type(url).__name__} {url!r}")
     if isinstance(features, (DataSet, MultiDataSet)):
         if labels is not None:
             raise TypeError("pass labels inside the DataSet, not beside it")
@@ -69,12 +78,27 @@ def save_minibatches(features, labels=None, url: str = None, batch_size: int = 3
         if labels is None:
             raise TypeError("save_minibatches needs labels beside the features array")
         data = DataSet(features, labels, features_mask, labels_mask)
+    if not data._l or any(y is None for y in data._l):
+        raise ValueError("the data set has no labels: a minibatch file holds features and labels, for training "
+                         "and evaluation (features alone go to output or predict_with_keys as arrays)")
+    if len(data) == 0:
+        raise ValueError("the data set holds no examples: there is nothing to save")
     batches = data.batches(batch_size)
+    fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    mine = re.compile(re.escape(prefix) + r"_\d+\.npz")
+    before = sorted(p for p in fs.ls(root, detail=False) if mine.fullmatch(p.rsplit("/", 1)[-1])) \
+        if fs.isdir(root) else []
+    if before and not overwrite:
+        raise FileExistsError(f"{url!r} already holds {len(before)} minibatch file(s) named {prefix}_*.npz, e.g. "
+                              f"{before[0]!r}: a fit of the directory would train on them too. Save to an empty "
+                              "directory or under another prefix, or pass overwrite=True to replace them")
     width = max(6, len(str(len(batches))))
-    return [
-        save_dataset(b, url_join(url, f"{prefix}_{i:0{width}d}.npz"), **storage_options)
-        for i, b in enumerate(batches)
-    ]
+    written = [save_dataset(b, url_join(url, f"{prefix}_{i:0{width}d}.npz"), **storage_options)
+               for i, b in enumerate(batches)]
+    stale = set(before) - {fsspec.core.url_to_fs(u, **storage_options)[1] for u in written}
+    if stale:
+        fs.rm(sorted(stale))
+    return written
 
 
 def _from_arrays(url, arrays):
@@ -190,13 +214,20 @@ def list_minibatches(paths, **storage_options) -> list:
     """Expand a glob, a directory URL or a list of URLs into a sorted list of file URLs.
 
     A directory yields its ``*.npz`` files. Hidden files (names starting with
-    ``.``, such as a writer's temporary files) are never listed. An empty result, or a listed file
-    that does not exist, raises ``FileNotFoundError`` naming the path.
+    ``.``, such as a writer's temporary files) are never listed. An empty result raises
+    ``FileNotFoundError`` naming the path, as does a list naming local files that do not exist
+    (a list of remote URLs is taken as it is: a file missing there is named when it is read).
     """
     if isinstance(paths, (list, tuple)):
         if not paths:
             raise FileNotFoundError("the list of minibatch paths is empty")
-        return [str(p) for p in paths]
+        paths = [str(p) for p in paths]
+        local = [p for p in paths if "://" not in p or p.startswith("file://")]
+        missing = [p for p in local if not os.path.isfile(fsspec.core.url_to_fs(p)[1])]
+        if missing:
+            raise FileNotFoundError(f"{len(missing)} of the {len(paths)} listed minibatch files do not exist, "
+                                    f"e.g. {missing[0]!r}")
+        return paths
     if not isinstance(paths, str):
         raise TypeError(f"paths must be a URL, a glob or a list of URLs, got {type(paths).__name__}")
     fs, root = fsspec.core.url_to_fs(paths, **storage_options)

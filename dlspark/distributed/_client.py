@@ -48,15 +48,20 @@ def install_plugins(client, pin: bool):
 def check_fit_args(master, epochs, checkpoint_every, checkpoint_url):
     from ..algorithms._base import positive_int
     from ..data._sources import reject_memory
+    from ..io import check_writable
 
     if master is None:
         raise ValueError("this trainer has no master; pass one, e.g. DistributedTrainer(client, net, ParameterAveraging())")
     positive_int("epochs", epochs)
+    if checkpoint_url is not None and checkpoint_every is None:
+        raise ValueError("checkpoint_url needs checkpoint_every, the rounds between two checkpoints, e.g. "
+                         "fit(data, checkpoint_every=10, checkpoint_url=...); without it no checkpoint is written")
     if checkpoint_every is not None:
         positive_int("checkpoint_every", checkpoint_every)
         if not checkpoint_url:
             raise ValueError("checkpoint_every needs checkpoint_url, e.g. fit(data, checkpoint_every=10, checkpoint_url='s3://b/ck.dls')")
         reject_memory(checkpoint_url, "checkpoint_url")
+        check_writable(checkpoint_url, "checkpoint_url")
 
 
 def _progress_bar(show, total):
@@ -100,14 +105,22 @@ async def fetch_state_from_any(client, workers, job, step, epoch):
     raise JobFailedError(f"job {job} finished, but no worker could send its state: {'; '.join(errors)}")
 
 
-def _resume(trainer, url, epochs, storage_options=None):
+def _resume(trainer, url, epochs, n_minibatches, storage_options=None):
     """``(epochs left, minibatches done, worker RNGs, epochs done, algorithm state)``. Everything
-    is checked before the network takes the checkpoint's state: a refused resume leaves it as it was."""
+    is checked before the network takes the checkpoint's state: a refused resume leaves it as it was.
+    ``n_minibatches``: the resumed fit's minibatches an epoch, which must be the checkpoint's."""
     opts = storage_options or {}
     meta = read_checkpoint_meta(url, **opts)
     prog = meta.get("fit_progress")
     if prog is not None and prog.get("epochs_total") != epochs:
         raise CheckpointError(url, f"was written by a fit of {prog.get('epochs_total')} epochs; resume with epochs={prog.get('epochs_total')}")
+    if prog is not None and prog.get("minibatches", n_minibatches) != n_minibatches:
+        # the minibatches it marks as done are positions in its own data: in other data they
+        # would skip minibatches never trained
+        raise CheckpointError(url, f"was written by a fit of {prog['minibatches']} minibatches an epoch, and this "
+                                   f"fit's data makes {n_minibatches}: resume with the data (and batch size) the "
+                                   "checkpoint's fit had, or start a new fit from it with "
+                                   "network.restore(url) and no resume_from")
     rngs = meta.get("worker_rngs") or []
     want = np.shape(np.asarray(trainer.network.state.rng))
     if any(np.shape(r) != want for r in rngs):
@@ -145,7 +158,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     check_data(trainer.network, refs, loader, storage_options)
     skip, worker_rngs, epochs_done, epochs_total = (), None, 0, epochs
     if resume_from is not None:
-        epochs, skip, worker_rngs, epochs_done, carried = _resume(trainer, resume_from, epochs, storage_options)
+        epochs, skip, worker_rngs, epochs_done, carried = _resume(trainer, resume_from, epochs, len(refs), storage_options)
         trainer.algorithm_state = carried
         if epochs <= 0:  # the checkpoint's fit was finished: nothing to train
             trainer.last_fit_stats = []

@@ -192,5 +192,6 @@ class Coordinator:
         return counted
 
     def progress(self) -> dict:
-        """Where the job stands: epochs completed and minibatches done in the current epoch."""
-        return {"epoch": self.epoch, "done": sorted(int(i) for i in self.done)}
+        """Where the job stands: epochs completed and minibatches done in the current epoch (of
+        ``minibatches`` an epoch, which a resume checks against its data)."""
+        return {"epoch": self.epoch, "done": sorted(int(i) for i in self.done), "minibatches": self.n}

@@ -23,7 +23,12 @@ def flatten_masked(labels, predictions, mask=None):
     if p.ndim == 1:
         p = p[:, None]
     if y.ndim == p.ndim - 1 and np.issubdtype(y.dtype, np.integer) and p.shape[-1] > 1:
-        y = np.eye(p.shape[-1])[y]  # integer class ids -> one-hot
+        n = p.shape[-1]
+        if y.size and (y.min() < 0 or y.max() >= n):
+            bad = np.unique(y[(y < 0) | (y >= n)])
+            raise ValueError(f"the labels hold class ids {bad[:10].tolist()} outside [0, {n}): the predictions "
+                             f"have {n} columns, so class ids run from 0 to {n - 1}")
+        y = np.eye(n)[y]  # integer class ids -> one-hot
     if y.ndim == 1:
         y = y[:, None]
     if y.shape != p.shape:

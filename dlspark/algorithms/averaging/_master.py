@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._base import Algorithm, check_common, positive_int
+from .._base import Algorithm, check_common, int_setting
 
 __all__ = ["ParameterAveraging"]
 
@@ -96,7 +96,7 @@ class ParameterAveraging(Algorithm):
 
     def __post_init__(self):
         check_common(self)
-        positive_int("averaging_frequency", self.averaging_frequency)
+        int_setting(self, "averaging_frequency")
         for name in ("save_updater", "fused_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -13,6 +13,7 @@ import asyncio
 import time
 from dataclasses import replace
 
+import cloudpickle
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,10 +32,18 @@ __all__ = ["AveragingRun"]
 
 
 def _outer_function(net, tx):
-    """The jitted outer step of ``tx``, kept with the network so later fits do not compile it again."""
+    """The jitted outer step of ``tx``, kept with the network so later fits do not compile it again.
+
+    Each job brings its own copy of ``tx`` (unpickled from the job's spec), so the key is its
+    pickled form, the same for every copy of one transformation; a few are kept."""
     fns = net.__dict__.setdefault("_outer_fns", {})
-    key = id(tx)
+    try:
+        key = cloudpickle.dumps(tx)
+    except Exception:  # not picklable here: this object's own
+        key = id(tx)
     if key not in fns:
+        while len(fns) >= 4:
+            del fns[next(iter(fns))]
         fns[key] = (tx, jax.jit(lambda start, mean, st: outer_step(tx, start, mean, st)))
     return fns[key][1]
 
@@ -327,12 +336,13 @@ class AveragingRun(WorkerRun):
                 try:
                     resp = Contribution(leaves=await self.compute(self.peer_views.views, resp.where, round))
                     shared += sum(x.nbytes for x in resp.leaves)
-                except (OSError, ValueError) as e:
-                    if not isinstance(e, (FileNotFoundError, ProcessLookupError)):
-                        # not mappable from here (another pid namespace, no permission): the
-                        # comms from now on; a peer that is gone only fails this request
-                        self.read_shared = False
+                except (OSError, ValueError):
                     resp = await self._ask(addr, "contribution", round=round)
+                    if isinstance(resp, Contribution):
+                        # the peer is there, and its file could not be mapped from here (another
+                        # pid namespace on the same host address, no permission): the comms from
+                        # now on; a peer that is gone only fails this request
+                        self.read_shared = False
             if not isinstance(resp, Contribution):
                 return AverageReply(unreachable=(addr,), ok=False, contributors=tuple(contributors))
             nbytes += sum(np.asarray(x).nbytes for x in resp.leaves)

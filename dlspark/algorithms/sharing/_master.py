@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._base import Algorithm, check_common, choice, positive_int
+from .._base import Algorithm, check_common, choice, int_setting
 
 __all__ = ["GradientSharing", "MESHES"]
 
@@ -94,11 +94,11 @@ class GradientSharing(Algorithm):
 
         check_common(self)
         choice("mesh", self.mesh, MESHES)
-        positive_int("steps_per_round", self.steps_per_round)
-        positive_int("max_staleness", self.max_staleness, minimum=0)
-        positive_int("tree_fanout", self.tree_fanout)
+        int_setting(self, "steps_per_round")
+        int_setting(self, "max_staleness", minimum=0)
+        int_setting(self, "tree_fanout")
         if self.workers_per_node is not None:
-            positive_int("workers_per_node", self.workers_per_node)
+            int_setting(self, "workers_per_node")
         if not isinstance(self.threshold_algorithm, (AdaptiveThreshold, TargetSparsityThreshold, FixedThreshold)):
             raise TypeError("threshold_algorithm must be AdaptiveThreshold(...), TargetSparsityThreshold(...) or "
                             f"FixedThreshold(t), got {type(self.threshold_algorithm).__name__}")
