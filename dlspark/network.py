@@ -517,6 +517,9 @@ class Network:
         batches, are_urls = self._minibatches(data, batch_size, epochs)
         if hasattr(batches, "__len__") and len(batches) == 0:
             raise ValueError("the data holds no examples: fit needs at least one minibatch, got an empty dataset")
+        if shuffle and not hasattr(batches, "__len__"):
+            raise ValueError("shuffle=True needs minibatches it can reorder (a DataSet, a list, URLs); an iterator's "
+                             "are taken in the order they come: shuffle them before, or pass shuffle=False")
         bar = None
         if progress:
             from tqdm.auto import tqdm

@@ -188,6 +188,10 @@ def test_empty_and_unlabelled_data_and_bad_batch_sizes_are_refused_by_name(make_
     assert (net.iteration, net.epoch) == (0, 0)
     with pytest.raises(ValueError, match="has no labels"):
         net.fit(DataSet(tr.features[:32], None))
+    with pytest.raises(TypeError, match=r"fit got one array \(shape \(32, 64\)\): pass features and labels"):
+        net.fit(tr.features[:32], epochs=1)
+    with pytest.raises(ValueError, match="shuffle=True needs minibatches it can reorder"):
+        net.fit(iter(tr[:64].batches(32)), shuffle=True)
     assert net.output(tr.features[:0]).shape == (0, 10)
     assert net.score_examples(tr[:0]).shape == (0,)
     out = net.output(tr.features[:40], batch_size=16)

@@ -594,6 +594,9 @@ class IteratorSource(Source):
         return hasattr(data, "__iter__")
 
     def local_batches(self, data, batch_size, epochs):
+        if hasattr(data, "shape") and hasattr(data, "dtype"):  # iterable too, row by row
+            raise TypeError(f"fit got one array (shape {tuple(data.shape)}): pass features and labels together, "
+                            "as (features, labels) or a DataSet, or a list of DataSets")
         if epochs != 1:
             raise ValueError("an iterator of minibatches can be consumed once: pass epochs=1 or a list")
         return data, False
