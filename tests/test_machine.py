@@ -455,7 +455,7 @@ def test_a_checkpoint_gathers_the_rngs_then_the_first_live_worker_writes_it():
     (write,) = sends(out)
     assert write.worker == "a" and write.order == CheckpointOrder(
         url="file:///ckpt/job-1", step=12, epoch=0,
-        progress={"epoch": 0, "done": list(range(12)), "epochs_total": 1},
+        progress={"epoch": 0, "done": list(range(12)), "minibatches": 18, "epochs_total": 1},
         worker_rngs=[["a"], ["b"], ["c"]], meta={})
     out = p.lose("a")  # the writer is lost before answering: the next live worker writes it
     (write,) = sends(out)
