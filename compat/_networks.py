@@ -82,6 +82,9 @@ class SparkTrainingStats:
 class _SparkNetwork:
     """What SparkDl4jMultiLayer and SparkComputationGraph share."""
 
+    #: which output evaluations take (None: the network must have one)
+    _eval_output = None
+
     #: Examples per forward pass in evaluation and scoring, by default (DL4J's).
     DEFAULT_EVAL_SCORE_BATCH_SIZE = 64
     #: Threshold steps of the ROC evaluations, by default (DL4J's).
@@ -219,12 +222,13 @@ class _SparkNetwork:
             raise TypeError("doEvaluation(rdd, [evalNumWorkers,] evalBatchSize, *evaluations), e.g. "
                             "doEvaluation(rdd, 64, Evaluation(), ROCMultiClass()); the batch size is missing")
         workers, batch = (self.DEFAULT_EVAL_WORKERS, ints[0]) if len(ints) == 1 else ints
-        return _spark.do_evaluation(self._rdd(data, "doEvaluation"), self._network, rest, batch, workers, loader)
+        return _spark.do_evaluation(self._rdd(data, "doEvaluation"), self._network, rest, batch, workers, loader,
+                                    output=self._eval_output)
 
     def _one(self, evaluation, data, batch_size, loader, what):
         rdd = self._rdd(data, what)
         return _spark.do_evaluation(rdd, self._network, [evaluation], batch_size, self.DEFAULT_EVAL_WORKERS,
-                                    loader)[0]
+                                    loader, output=self._eval_output)[0]
 
     def evaluate(self, data, labels_list=None, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE, loader=None):
         """Classification :class:`Evaluation` over an RDD (or a directory of minibatch files).
@@ -363,5 +367,8 @@ class SparkComputationGraph(_SparkNetwork):
     inputs or outputs (MultiDataSets; tuples of arrays per key in keyed inference).
 
     The same methods as :class:`SparkDl4jMultiLayer`, ``fitMultiDataSet`` and
-    ``fitPathsMultiDataSet`` included; evaluations use the first output, as the core's.
+    ``fitPathsMultiDataSet`` included; evaluations use the network's first output
+    (against the first labels array), as DL4J's evaluation of a graph does by default.
     """
+
+    _eval_output = 0

@@ -93,7 +93,8 @@ def do_evaluation(client, net_future, data, evaluations, batch_size, *, loader=N
     kind, parts = evaluation_parts(data, ctx, max(1, 2 * n_workers))
     if output is not None and (isinstance(output, bool) or not isinstance(output, (int, np.integer)) or output < 0):
         raise ValueError(f"output must be an output index >= 0 or None, got {output!r}")
-    args = (evaluations, batch_size, loader, storage_options, threads, output)
+    # the parts fill blank copies: data already in an evaluation is counted once, here, not once a part
+    args = ([e._blank() for e in evaluations], batch_size, loader, storage_options, threads, output)
     if kind == "refs":
         futures = [client.submit(evaluate_part, net_future, p, *args, pure=False) for p in parts]
     else:
@@ -107,7 +108,7 @@ def do_evaluation(client, net_future, data, evaluations, batch_size, *, loader=N
         futures = [client.submit(merge_evaluations, futures[i], futures[i + 1], pure=False)
                    if i + 1 < len(futures) else futures[i] for i in range(0, len(futures), 2)]
     for target, result in zip(evaluations, futures[0].result()):
-        target.__dict__.update(result.__dict__)
+        target.merge(result)
     return evaluations
 
 

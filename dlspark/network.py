@@ -235,6 +235,8 @@ def build_steps(model, loss, updater) -> Steps:
             if le.ndim > 1:  # sequences: mean over unmasked time steps
                 mm = jnp.ones(le.shape) if m is None else _losses._broadcast_mask(m, le.shape)
                 le = (le * mm).reshape(le.shape[0], -1).sum(1) / jnp.maximum(mm.reshape(le.shape[0], -1).sum(1), 1.0)
+            elif m is not None:  # a per-example mask: a masked-out example scores 0 (as DL4J's score arrays)
+                le = le * _losses._broadcast_mask(m, le.shape)
             total = total + le
         return total
 

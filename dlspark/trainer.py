@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from . import _inference as _inf
 from .algorithms._base import Algorithm, positive_int
 from .data._exports import Exports
@@ -288,4 +290,8 @@ class DistributedTrainer:
     def calculate_score(self, data, average: bool = True, batch_size: int | None = None) -> float:
         """Total (or, with ``average``, mean per example) loss over ``data`` (DL4J's ``calculateScore``)."""
         losses = self.score_examples(data, batch_size=batch_size)
+        if isinstance(losses, dict):  # keyed examples: their losses, whatever the keys
+            losses = np.concatenate([np.ravel(v) for v in losses.values()])
+        elif isinstance(losses, list):
+            losses = np.concatenate([np.ravel(v) for _, v in losses])
         return float(losses.mean() if average else losses.sum())

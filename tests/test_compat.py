@@ -416,6 +416,10 @@ def test_keyed_inference_scoring_and_evaluation_on_the_executors(sc, cluster):
     # the same with two evaluation threads per task instead of DEFAULT_EVAL_WORKERS
     _, roc2 = sparkNet.doEvaluation(plain, 2, 64, Evaluation(), ROCMultiClass(32))
     assert roc2.calculateAUC(3) == pytest.approx(core[1].calculate_auc(3), abs=1e-12)
+    # an evaluation that already holds data adds the RDD's once (not once per partition)
+    again, = sparkNet.doEvaluation(plain, 64, ev)
+    assert again is ev and ev.count == 2 * N_KEYED
+    assert np.array_equal(ev.confusion_matrix(), 2 * core[0].confusion_matrix())
 
 
 @pytest.mark.slow
@@ -507,6 +511,15 @@ def test_graph_multidatasets_export_and_tuple_inference(sc, tmp_path):
                        -np.arange(50, dtype=np.float32)[:, None] * np.ones(2, np.float32)))
     assert sorted(out) == list(range(50))
     assert all(np.allclose(out[i][0], a[i], atol=1e-5) and np.allclose(out[i][1], b[i], atol=1e-5) for i in out)
+    # evaluations of a graph take its first output, against the first labels array
+    from dlspark.evaluation import RegressionEvaluation
+
+    reg = graph.evaluate_regression(rdd)
+    local = RegressionEvaluation()
+    for i in range(6):
+        local.update(mds(i).labels[0], net.output(tuple(mds(i).features))[0])
+    np.testing.assert_allclose([reg.mean_squared_error(c) for c in range(3)],
+                               [local.mean_squared_error(c) for c in range(3)], rtol=1e-5)
 
 
 @pytest.mark.slow

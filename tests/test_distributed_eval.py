@@ -122,6 +122,41 @@ def test_score_examples_and_calculate_score(client2, trained, digits):
     scored = trainer.score_examples(keyed)
     assert set(scored) == set(keyed)
     assert scored["e7"] == pytest.approx(float(per[7]), rel=1e-5)
+    assert trainer.calculate_score(keyed) == pytest.approx(float(per[:20].mean()), rel=1e-5)
+    # a per-example label mask: a masked-out example scores 0 (as DL4J's score arrays), and
+    # the sum over examples is the masked loss's
+    mask = (np.arange(len(te)) % 3 != 0).astype(np.float32)
+    masked = DataSet(te.features, te.labels, labels_mask=mask)
+    local = net.score_examples(masked)
+    np.testing.assert_allclose(local, per * mask, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(trainer.score_examples(masked), local, rtol=1e-5, atol=1e-6)
+    assert float(local.sum() / mask.sum()) == pytest.approx(net.score(masked), rel=1e-5)
+
+
+def test_an_evaluation_with_data_in_it_adds_the_new_data_once(client2, trained, digits):
+    # DL4J's users fill one evaluation over several calls; each part fills a blank copy, so
+    # what the evaluation held counts once, not once per part. An evaluation that saw no
+    # data merges with any other (an empty part, a dask bag's filtered-out partition).
+    import dask.bag as db
+
+    _, te = digits
+    net = Network.load(trained)
+    trainer = DistributedTrainer(client2, Network.load(trained), progress=False)
+    local = _local(net, te, Evaluation(), RegressionEvaluation())
+    ev, reg = Evaluation(), RegressionEvaluation()
+    half = len(te) // 2
+    trainer.do_evaluation(te[:half], 32, ev, reg)
+    trainer.do_evaluation(te[half:], 32, ev, reg)
+    assert ev.count == len(te) and ev.stats() == local[0].stats()
+    np.testing.assert_allclose(reg.mean_squared_error(0), local[1].mean_squared_error(0), rtol=1e-9)
+    filled = _local(net, te, Evaluation())[0]
+    assert Evaluation().merge(filled).stats() == filled.stats()
+    assert filled.merge(Evaluation()).stats() == local[0].stats()
+    parts = [te[i:i + 10] for i in range(0, 40, 10)]
+    bag = db.from_sequence(parts, npartitions=4).filter(lambda d, first=te.features[0]: not np.array_equal(
+        d.features[0], first))  # partition 0 ends empty
+    from_bag = trainer.evaluate(bag)
+    assert from_bag.count == 30 and from_bag.stats() == _local(net, te[10:40], Evaluation())[0].stats()
 
 
 def test_bad_evaluation_input(client2, trained, digits):

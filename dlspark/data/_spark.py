@@ -385,7 +385,7 @@ def _groups(items, size):
         yield group
 
 
-def _evaluate_items(bc, evaluations, batch_size, loader, threads, iterator):
+def _evaluate_items(bc, evaluations, batch_size, loader, threads, output, iterator):
     from .._inference import evaluate_part, merge_evaluations
 
     blob, acc, n = None, None, 0
@@ -395,15 +395,15 @@ def _evaluate_items(bc, evaluations, batch_size, loader, threads, iterator):
             import cloudpickle
 
             blob = cloudpickle.loads(bc.value)
-        part = evaluate_part(blob, group, evaluations, batch_size, None, None, threads)
+        part = evaluate_part(blob, group, evaluations, batch_size, None, None, threads, output)
         acc = part if acc is None else merge_evaluations(acc, part)
         n += sum(len(b) for b in group)
     yield (n, acc)
 
 
-def _evaluate_partition(bc, evaluations, batch_size, loader, threads, iterator):
+def _evaluate_partition(bc, evaluations, batch_size, loader, threads, output, iterator):
     """Runs on an executor: ``(examples, partial evaluations)`` of one partition."""
-    return _guarded(_evaluate_items(bc, evaluations, batch_size, loader, threads, iterator))
+    return _guarded(_evaluate_items(bc, evaluations, batch_size, loader, threads, output, iterator))
 
 
 def _merge_partials(a, b):
@@ -418,7 +418,8 @@ def _merge_partials(a, b):
     return (a[0] + b[0], merge_evaluations(a[1], b[1]))
 
 
-def do_evaluation(rdd, network, evaluations, batch_size: int = 64, threads: int = 1, loader=None, depth: int = 2):
+def do_evaluation(rdd, network, evaluations, batch_size: int = 64, threads: int = 1, loader=None, depth: int = 2,
+                  output=None):
     """Fill ``evaluations`` in one pass over an RDD, on the Spark executors; returns them.
 
     Parameters
@@ -436,6 +437,9 @@ def do_evaluation(rdd, network, evaluations, batch_size: int = 64, threads: int 
         ``path -> DataSet`` for files in another format.
     depth : int
         Depth of the ``treeReduce`` that merges the partial evaluations on the executors.
+    output : int, optional
+        Which output of a multi-output network to evaluate (against the labels of the
+        same index); a multi-output network without it is refused.
     """
     from .._inference import _check_evaluations
 
@@ -444,14 +448,15 @@ def do_evaluation(rdd, network, evaluations, batch_size: int = 64, threads: int 
     if rdd.getNumPartitions() == 0:
         raise ValueError("evaluation data holds no examples (an RDD without partitions)")
     bc = broadcast_network(rdd.context, network)
-    f = partial(_evaluate_partition, bc, evaluations, batch_size, loader, threads)
+    # the partitions fill blank copies: data already in an evaluation is counted once, here
+    f = partial(_evaluate_partition, bc, [e._blank() for e in evaluations], batch_size, loader, threads, output)
     result = rdd.mapPartitions(f).treeReduce(_merge_partials, depth)
     _raise_failures([result])
     n, merged = result
     if not n:
         raise ValueError("evaluation data holds no examples (an empty RDD)")
     for target, r in zip(evaluations, merged):
-        target.__dict__.update(r.__dict__)
+        target.merge(r)
     return evaluations
 
 

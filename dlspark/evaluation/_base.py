@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -57,16 +58,31 @@ class BaseEvaluation:
         super().__init_subclass__(**kw)
         _REGISTRY[cls.__name__] = cls
 
+    #: settings that the first data sets when the user left them None (so one side of a merge
+    #: that has seen no data may still have None there)
+    _inferred: tuple = ()
+    #: constructor argument of a setting, where its name differs
+    _init_names: dict = {}
+
     def merge(self, other):
         """Fold ``other`` (same type and settings) into this evaluation and return this one."""
         if type(other) is not type(self):
             raise TypeError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
         for c in self._config:
             a, b = getattr(self, c), getattr(other, c)
+            if c in self._inferred and (a is None or b is None):
+                continue
             if not _same(a, b):
                 raise ValueError(f"cannot merge evaluations with different {c}: {a!r} and {b!r}")
         self._merge(other)
+        for c in self._inferred:
+            if getattr(self, c) is None:
+                setattr(self, c, getattr(other, c))
         return self
+
+    def _blank(self):
+        """A new evaluation with this one's settings and none of its data."""
+        return type(self)(**{self._init_names.get(c, c): copy.deepcopy(getattr(self, c)) for c in self._config})
 
     def to_json(self) -> str:
         """Serialise configuration and state (exact: floats are written in full precision)."""

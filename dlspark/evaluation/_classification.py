@@ -44,6 +44,8 @@ class Evaluation(BaseEvaluation):
 
     _config = ("num_classes", "class_labels", "top_n", "binary_threshold", "cost_array")
     _state = ("confusion", "top_n_correct", "count")
+    _inferred = ("num_classes",)
+    _init_names = {"class_labels": "labels"}
 
     def __init__(self, num_classes=None, labels=None, top_n=1, binary_threshold=None, cost_array=None):
         if top_n < 1:
