@@ -134,7 +134,7 @@ class _Replicas:
         # copies (the steps donate them): the network keeps its state until the fit succeeds
         self.states = [jax.device_put(net.state.replace(rng=rng), d, may_alias=False)
                        for rng, d in zip(rngs, self.devices)]
-        start = wrapper.algorithm_state.get("threshold_state") or self.algo.init()
+        start = wrapper.master.carried_threshold(wrapper.algorithm_state) or self.algo.init()
         self.tstates = [start] * len(self.devices)
         self.steps = [0] * len(self.devices)  # each replica's message counter
         if encoder == "host":
@@ -329,8 +329,8 @@ def run_sharing(wrapper, refs, epochs, loader, storage_options, callbacks, bar, 
                     row, t_round = _new_row(), time.perf_counter()
         net.state = jax.device_put(reps.states[0].replace(step=np.int32(base_step + trained),
                                                           epoch=np.int32(base_epoch + epochs)), home)
-        wrapper.algorithm_state = dict(wrapper.algorithm_state, threshold_state=master.threshold_algorithm.reduce(
-            reps.tstates))
+        wrapper.algorithm_state = master.carry_threshold(wrapper.algorithm_state,
+                                                         master.threshold_algorithm.reduce(reps.tstates))
         comm = wrapper.published.setdefault("communication", {"bytes_sent": 0, "dense_bytes": 0})
         comm["bytes_sent"] += sum(s["bytes_sent"] for s in stats)
         comm["dense_bytes"] += sum(s["dense_bytes"] for s in stats)

@@ -156,7 +156,8 @@ def test_a_carried_threshold_does_not_warm_up_again():
     (lambda: AdaptiveThreshold(decay=0.4), r"decay must be in \[0.5, 1\)"),
     (lambda: AdaptiveThreshold(decay=1.0), r"decay must be in \[0.5, 1\)"),
     (lambda: TargetSparsityThreshold(target=1 / 16), r"target must be in \(0, 1/16\)"),
-    (lambda: AdaptiveThreshold(min_sparsity=0.1, max_sparsity=0.2), "max_sparsity <= 1/16"),
+    (lambda: AdaptiveThreshold(min_sparsity=0.1, max_sparsity=0.2), "max_sparsity < 1/16"),
+    (lambda: AdaptiveThreshold(min_sparsity=1e-3, max_sparsity=1 / 16), r"max_sparsity < 1/16 \(a dense step"),
     (lambda: FixedThreshold(-1.0), "threshold must be a positive number"),
     (lambda: ResidualClipping(5, 0), "frequency must be an integer >= 1"),
 ])

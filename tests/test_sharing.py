@@ -304,3 +304,26 @@ def test_the_update_in_pieces_keeps_the_updates_dtype_for_low_precision_paramete
     assert {p.dtype for p in pieces} == {flat.dtype}
     residual = np.zeros(flat.size, np.float32)
     np.testing.assert_array_equal(add_pieces(residual.copy(), pieces), residual + flat)
+
+
+@pytest.mark.parametrize("runner", ["cluster", "wrapper"])
+def test_a_fit_goes_on_from_the_threshold_reached_only_with_the_same_threshold_algorithm(client2, make_net,
+                                                                                          digits, runner):
+    # The next fit on a trainer goes on from the threshold the last one reached; a master
+    # with another threshold algorithm starts from that one's own initial value.
+    tr, _ = digits
+
+    def trainer(master, net):
+        if runner == "cluster":
+            return DistributedTrainer(client2, net, master, progress=False)
+        return dlspark.ParallelWrapper(net, master, jax.devices("cpu")[:2], progress=False)
+
+    t = trainer(_master(steps_per_round=4), make_net())
+    t.fit(tr[:256])
+    reached = t.threshold_state
+    assert reached.steps > 0 and reached.threshold != 1e-2
+    t.fit(tr[:256])
+    assert t.threshold_state.steps > reached.steps  # went on
+    t.master = _master(steps_per_round=4, threshold_algorithm=FixedThreshold(5e-3))
+    t.fit(tr[:256])
+    assert t.threshold_state.threshold == 5e-3

@@ -128,7 +128,18 @@ class GradientSharing(Algorithm):
         if not saved.get("states") or saved.get("algorithm") != repr(self.threshold_algorithm):
             return {}
         states = [ThresholdState(*(float("nan") if x is None else x for x in st)) for st in saved["states"]]
-        return {"threshold_state": self.threshold_algorithm.reduce(states)}
+        return self.carry_threshold({}, self.threshold_algorithm.reduce(states))
+
+    def carry_threshold(self, algorithm_state, state) -> dict:
+        """``algorithm_state`` with the threshold state a fit reached, for the next fit to go on from."""
+        return {**algorithm_state, "threshold_state": state, "threshold_algorithm": repr(self.threshold_algorithm)}
+
+    def carried_threshold(self, algorithm_state):
+        """The threshold state an earlier fit (or the resumed checkpoint) reached, if it was this
+        master's threshold algorithm's (a new one starts from its own initial value), or None."""
+        if algorithm_state.get("threshold_algorithm") != repr(self.threshold_algorithm):
+            return None
+        return algorithm_state.get("threshold_state")
 
     def after_fit(self, algorithm_state, result, carried, published):
         from ._thresholds import ThresholdState
@@ -136,7 +147,7 @@ class GradientSharing(Algorithm):
         out = dict(algorithm_state)
         states = [ThresholdState(*s) for s in result.algorithm_state.get("threshold_states", ())]
         if states:
-            out["threshold_state"] = self.threshold_algorithm.reduce(states)
+            out = self.carry_threshold(out, self.threshold_algorithm.reduce(states))
         comm = published.setdefault("communication", {"bytes_sent": 0, "dense_bytes": 0})
         for s in result.stats:
             comm["bytes_sent"] += s.get("bytes_sent", 0)

@@ -152,7 +152,7 @@ class SharingState:
         # from_dlpack is committed, and a state that is committed in one round but not in
         # another (after a restore, an epoch counter set from Python) compiles them again.
         self.device = device if len(flat.devices()) == 1 else None
-        self.tstate = job.spec.algorithm_state.get("threshold_state") or self.algo.init()
+        self.tstate = master.carried_threshold(job.spec.algorithm_state) or self.algo.init()
         self.step = 0  # this worker's message counter
         self.lock = threading.Condition()
         self.inbox: dict = {}  # (sender, step) -> message, this round

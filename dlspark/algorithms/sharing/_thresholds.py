@@ -149,10 +149,12 @@ class AdaptiveThreshold(_Threshold):
         _check_initial(self.initial)
         _check_warmup(self.warmup)
         _check_decay(self.decay)
-        if not (0 < self.min_sparsity < self.max_sparsity <= 1.0 / 16):
+        if not (0 < self.min_sparsity < self.max_sparsity < 1.0 / 16):
+            # a step sent as a dense bitmap counts as 1/16: a band reaching it would never raise
+            # the threshold out of dense steps
             raise ValueError(
-                f"need 0 < min_sparsity < max_sparsity <= 1/16, got min_sparsity={self.min_sparsity!r}, "
-                f"max_sparsity={self.max_sparsity!r}"
+                f"need 0 < min_sparsity < max_sparsity < 1/16 (a dense step counts as 1/16), got "
+                f"min_sparsity={self.min_sparsity!r}, max_sparsity={self.max_sparsity!r}"
             )
 
     def _first_sparsity(self) -> float:
