@@ -327,3 +327,30 @@ def test_a_fit_goes_on_from_the_threshold_reached_only_with_the_same_threshold_a
     t.master = _master(steps_per_round=4, threshold_algorithm=FixedThreshold(5e-3))
     t.fit(tr[:256])
     assert t.threshold_state.threshold == 5e-3
+
+
+def test_a_worker_back_at_an_address_numbers_its_messages_after_those_held_from_it():
+    # A worker lost mid-round whose messages the others hold, then back at its address (a
+    # nanny restarting it on a fixed port): every replica took its messages up to step 3 at
+    # the sync, so its new run must number from there on, or its messages would be taken for
+    # late copies and dropped. The coordinator hands each worker its counter with each fit.
+    from types import SimpleNamespace
+
+    from dlspark.algorithms.sharing._messages import HaveReply, ShareWith, SyncReply
+    from dlspark.distributed._messages import FitReply, JobOptions
+
+    driver = GradientSharing(steps_per_round=2).create_driver(JobOptions(epochs=1, steps_per_round=2))
+
+    def plan(r, workers):
+        return SimpleNamespace(round=r, epoch=0, contributors=tuple(workers),
+                               assignment={w: (2 * i, 2 * i + 1) for i, w in enumerate(workers)})
+
+    driver.begin(plan(1, "ab"), {}, {"a", "b"})
+    fit = FitReply(loss_sum=1.0, n=2, examples=2, fit_time=0.1,
+                   extra={"bytes_sent": 0, "dense_bytes": 0, "threshold": 1e-3, "stale_wait": 0.0, "debug": None})
+    driver.step({"a": fit, "b": fit}, {"a", "b"}, 0)  # both fitted; then b is lost
+    driver.step({"a": HaveReply(have={"a": [1, 2], "b": [1, 2, 3]})}, {"a"}, 0)
+    driver.step({"a": SyncReply(threshold=1e-3, step=2, threshold_state=(1e-3, 0.01, 2))}, {"a"}, 0)
+    orders = dict(driver.begin(plan(2, "ab"), {}, {"a", "b"}))  # b is back
+    assert isinstance(orders["b"].plan, ShareWith)
+    assert orders["b"].plan.peers["b"][0] == 3 and orders["a"].plan.peers["a"][0] == 2

@@ -341,3 +341,25 @@ def test_the_final_state_comes_from_the_first_worker_that_can_send_it(client3, m
     for x, y in zip(_leaves(restored), _leaves(job.net.state)):
         np.testing.assert_array_equal(x, y)
     assert a in message and c in message
+
+
+def test_a_sharing_worker_numbers_its_messages_from_the_counter_its_fit_order_gives(client3, make_net, digits,
+                                                                                    tmp_path):
+    # A worker back at an address whose earlier run's messages every replica holds up to
+    # step 5 (the coordinator's counter for it) sends its first message as step 6.
+    from dlspark import GradientSharing
+    from dlspark.algorithms.sharing._messages import HaveOrder, ShareWith
+
+    job = _DrivenJob(client3, make_net, digits, tmp_path, 64, master=GradientSharing(batch_size_per_worker=32))
+    a = job.workers[0]
+
+    async def scenario():
+        await job.setup([a])
+        try:
+            await job.order(a, FitOrder(round=1, epoch=0, refs=(0,), plan=ShareWith({a: (5, 1)})))
+            return await job.order(a, HaveOrder())
+        finally:
+            await job.teardown(a)
+
+    have = client3.sync(scenario)
+    assert have.have == {a: [6]} and have.step == 6

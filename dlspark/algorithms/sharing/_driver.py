@@ -80,6 +80,13 @@ class SharingDriver(RoundDriver):
             if faults:  # sync again from the holders left (or, if the failure passed, the same)
                 return self._have(live)
             self.fetched = sum(sum(len(k) for k in self.missing[w].values()) for w in replies)
+            # every replica now holds each sender's messages up to here, a lost sender's too: a
+            # worker that comes back at its address numbers its messages after them (a message
+            # numbered as one already applied would be taken for a late copy and dropped)
+            for have in self.haves.values():
+                for sender, steps in have.items():
+                    if steps:
+                        self.counters[sender] = max(self.counters.get(sender, 0), max(steps))
             for w, r in replies.items():
                 self.counters[w] = r.step
                 self.thresholds[w] = tuple(r.threshold_state)

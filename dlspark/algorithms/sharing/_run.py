@@ -42,6 +42,8 @@ class SharingRun(WorkerRun):
         me = self.address
         s = self.sharing
         peers = {p: tuple(v) for p, v in order.plan.peers.items() if p != me}
+        if me in order.plan.peers:  # a worker back at an address goes on from its messages' numbers
+            s.step = max(s.step, int(order.plan.peers[me][0]))
         links = order.plan.links
         # plain mesh: straight to every peer; tree mesh: to tree neighbours, who relay
         s.links = None if links is None else [p for p in links if p != me]
