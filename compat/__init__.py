@@ -32,7 +32,7 @@ from ._evaluation import (ROC, Evaluation, EvaluationBinary, EvaluationCalibrati
                           ROCMultiClass)
 from ._masters import ParameterAveragingTrainingMaster, SharedTrainingMaster, TrainingMaster
 from ._networks import SparkComputationGraph, SparkDl4jMultiLayer, SparkTrainingStats
-from ._util import ModelSerializer, SparkUtils
+from ._util import ModelSerializer, SparkUtils, StatsUtils
 
 __all__ = [
     "configure",
@@ -54,6 +54,7 @@ __all__ = [
     "NoOpResidualPostProcessor",
     "SparkTrainingStats",
     "SparkUtils",
+    "StatsUtils",
     "ModelSerializer",
     "Evaluation",
     "EvaluationBinary",

@@ -49,8 +49,10 @@ class SparkTrainingStats:
         One dict per round (fit time, averaging or sync time, loss, examples, ...).
     """
 
-    def __init__(self, rounds):
+    def __init__(self, rounds, training_stats=None):
         self.rounds = list(rounds)
+        #: the core's :class:`dlspark.stats.TrainingStats` (timed events too), for the export
+        self.training_stats = training_stats
 
     def getKeySet(self) -> list:
         """The names of the numeric figures recorded."""
@@ -316,7 +318,8 @@ class _SparkNetwork:
         """:class:`SparkTrainingStats` of the rounds fitted while collecting, or None when not collecting."""
         if self._master is None or not self._master.getCollectTrainingStats():
             return None
-        return SparkTrainingStats(self._trainer.training_stats if self._trainer is not None else [])
+        stats = self._trainer.training_stats if self._trainer is not None else None
+        return SparkTrainingStats(stats if stats is not None else [], stats)
 
     def deleteTempFiles(self) -> bool:
         """Delete the minibatch files exported from RDDs (the next fit of an RDD exports again)."""

@@ -92,3 +92,18 @@ class ModelSerializer:
     def restoreComputationGraph(url_or_stream, load_updater: bool = True) -> Network:
         """:meth:`restoreMultiLayerNetwork` for a network with several inputs or outputs."""
         return ModelSerializer.restoreMultiLayerNetwork(url_or_stream, load_updater)
+
+
+class StatsUtils:
+    """DL4J's ``StatsUtils``: ``exportStatsAsHtml(stats, path, sc)`` writes the training
+    statistics of :meth:`SparkDl4jMultiLayer.getSparkTrainingStats` as one standalone HTML
+    page (the core's ``TrainingStats.export_html``: the timeline, per worker, with its
+    plotting scripts inlined). ``sc`` is accepted and unused."""
+
+    @staticmethod
+    def exportStatsAsHtml(stats, path: str, sc=None) -> None:
+        core = getattr(stats, "training_stats", stats)
+        if core is None or not hasattr(core, "export_html"):
+            raise TypeError("exportStatsAsHtml takes the statistics of getSparkTrainingStats() (collected with "
+                            f"setCollectTrainingStats(True)), got {type(stats).__name__}")
+        core.export_html(path)

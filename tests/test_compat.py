@@ -24,7 +24,8 @@ from dlspark.compat import (AdaptiveThresholdAlgorithm, Evaluation, EvaluationCa
                             MeshBuildMode, ModelSerializer, NoOpResidualPostProcessor,
                             ParameterAveragingTrainingMaster, RDDTrainingApproach, Repartition, RepartitionStrategy,
                             ResidualClippingPostProcessor, ROCMultiClass, SharedTrainingMaster, SparkComputationGraph,
-                            SparkDl4jMultiLayer, SparkUtils, TargetSparsityThresholdAlgorithm, VoidConfiguration)
+                            SparkDl4jMultiLayer, SparkUtils, StatsUtils, TargetSparsityThresholdAlgorithm,
+                            VoidConfiguration)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N_KEYED = 10_000
@@ -250,7 +251,7 @@ def test_gradient_sharing_minimal_example(sc, cluster):
 
 
 @pytest.mark.slow
-def test_parameter_averaging_minimal_example(sc, cluster):
+def test_parameter_averaging_minimal_example(sc, cluster, tmp_path):
     # intro.md's "Parameter Averaging Implementation", line by line: one example per DataSet object
     trainingData = digits_rdd(sc, "train", 1)
     numEpochs = 8
@@ -272,6 +273,15 @@ def test_parameter_averaging_minimal_example(sc, cluster):
     assert evaluation.accuracy() >= 0.95, evaluation.stats()
     stats = sparkNet.getSparkTrainingStats()
     assert len(stats) > 0 and "loss" in stats.getKeySet() and "rounds" in stats.statsAsString()
+    # DL4J's StatsUtils.exportStatsAsHtml(stats, "SparkStats.html", sc): one standalone page
+    # with the workers' timed events (its scripts inlined; tests/test_stats.py renders such pages)
+    StatsUtils.exportStatsAsHtml(stats, str(tmp_path / "SparkStats.html"), sc)
+    page = (tmp_path / "SparkStats.html").read_text()
+    assert "<script" in page and "cdn.bokeh.org" not in page
+    lane = r" \u00b7 main"  # "· main", as the page's JSON escapes it
+    assert all(w.replace("tcp://", "") + lane in page for w in stats.training_stats.workers())  # a lane per worker
+    with pytest.raises(TypeError, match="takes the statistics of getSparkTrainingStats"):
+        StatsUtils.exportStatsAsHtml(stats.rounds, str(tmp_path / "x.html"))
     assert np.isfinite(sparkNet.getScore())
     assert too_big_for_the_driver(trainingData)
     # one export, by the executors, served every epoch; deleteTempFiles removes it
