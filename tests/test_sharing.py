@@ -354,3 +354,54 @@ def test_a_worker_back_at_an_address_numbers_its_messages_after_those_held_from_
     orders = dict(driver.begin(plan(2, "ab"), {}, {"a", "b"}))  # b is back
     assert isinstance(orders["b"].plan, ShareWith)
     assert orders["b"].plan.peers["b"][0] == 3 and orders["a"].plan.peers["a"][0] == 2
+
+
+def test_a_late_push_from_a_lost_sender_is_applied_by_no_replica(make_net, digits):
+    # A sender lost before the round's sync, one of whose pushes lands at one replica after that
+    # replica reported what it holds: no other replica knows of it, so the sync applies it
+    # nowhere, and the replicas stay equal. The three workers' sharing states run in this
+    # process, their pushes delivered by hand: the race cannot be timed on a real cluster.
+    from types import SimpleNamespace
+
+    from dlspark.algorithms.sharing._driver import sync_plan
+    from dlspark.algorithms.sharing._state import SharingState
+    from dlspark.stats._recorder import NULL
+
+    tr, _ = digits
+    net = make_net(MLP(hidden=32), updater=optax.adam(1e-2))
+    master = GradientSharing(threshold_algorithm=FixedThreshold(1e-3), max_staleness=100)
+
+    def state(addr):
+        job = SimpleNamespace(master=master, state=jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True),
+                                                                           net.state),
+                              spec=SimpleNamespace(algorithm_state={}), net=net, address=addr, stats=NULL)
+        return SharingState(job)
+
+    def batches(lo, n):
+        return [(16, tr[lo + 16 * i: lo + 16 * (i + 1)].jit_batch()) for i in range(n)]
+
+    a, b, c = (state(f"tcp://{x}:1") for x in "abc")
+    peers = {s.job.address: (0, 2) for s in (a, b, c)}
+    held = []
+
+    def send_c(k, m):  # C's step 1 reaches A and B; its step 2 is on the wire when C is lost
+        if k == 1:
+            a.receive("tcp://c:1", k, m)
+            b.receive("tcp://c:1", k, m)
+        else:
+            held.append((k, m))
+
+    c.fit(batches(0, 2), {p: v for p, v in peers.items() if p != "tcp://c:1"}, send_c)
+    for s, other, lo in ((a, b, 32), (b, a, 64)):
+        me = s.job.address
+        s.fit(batches(lo, 2), {p: v for p, v in peers.items() if p != me},
+              lambda k, m, me=me, o=other: o.receive(me, k, m))
+    by = {"tcp://a:1": a, "tcp://b:1": b}
+    missing = sync_plan({w: s.have() for w, s in by.items()}, list(by))  # C is lost: not asked
+    for k, m in held:
+        a.receive("tcp://c:1", k, m)  # lands at A after A reported what it holds
+    for w, s in by.items():
+        s.apply_pending([kv for h, keys in missing[w].items() for kv in zip([tuple(k) for k in keys], by[h].get(keys))])
+        s.new_round()
+    for x, y in zip(jax.tree_util.tree_leaves(a.job.state.params), jax.tree_util.tree_leaves(b.job.state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)

@@ -161,6 +161,7 @@ class SharingState:
         self.progress: dict = {}  # sender -> highest step seen
         self.gone: set = set()
         self.store: dict = {}  # (sender, step) -> message: everything seen this round, to serve peers that missed one
+        self.reported = None  # the store's keys when this round's holdings were last reported (have)
         self.links = None  # tree mesh: this round's neighbours
         self.relayed = 0
         fns = sharing_functions(job.net)
@@ -181,8 +182,10 @@ class SharingState:
         return new
 
     def have(self):
-        """The round's messages this worker holds, as ``{sender: [steps]}``."""
+        """The round's messages this worker holds, as ``{sender: [steps]}``; the sync that follows
+        applies these and the ones it fetches, no others (see :meth:`apply_pending`)."""
         with self.lock:
+            self.reported = set(self.store)
             out: dict = {}
             for sender, step in self.store:
                 out.setdefault(sender, []).append(step)
@@ -192,10 +195,11 @@ class SharingState:
         with self.lock:
             return [self.store[tuple(k)] for k in keys]
 
-    def _drain_into(self, total):
-        """Apply every message in the inbox not yet applied; returns how many."""
+    def _drain_into(self, total, only=None):
+        """Apply every message in the inbox not yet applied (of those in ``only``, if given);
+        returns how many."""
         with self.lock:
-            items = [(k, m) for k, m in self.inbox.items() if k not in self.applied]
+            items = [(k, m) for k, m in self.inbox.items() if k not in self.applied and (only is None or k in only)]
             for k, _ in items:
                 self.applied.add(k)
         for _, m in items:
@@ -239,6 +243,7 @@ class SharingState:
             self.applied = {(s, k) for s, k in self.applied if k > self.synced.get(s, 0)}
             self.inbox = {k: v for k, v in self.inbox.items() if k not in self.applied and k[1] > self.synced.get(k[0], 0)}
             self.store = dict(self.inbox)
+            self.reported = None
         self.gone = set()
 
     def fit(self, batches, peers, send):
@@ -309,9 +314,13 @@ class SharingState:
                 "threshold": float(self.tstate.threshold), "stale_wait": stale_wait, "debug": stats}
 
     def apply_pending(self, extra=()):
-        """Apply fetched and still pending messages (the round's sync); params only."""
+        """Apply fetched and still pending messages (the round's sync); params only. Only the
+        messages this replica reported holding, and those fetched, are applied: a message that
+        came after the report (a late push from a sender lost before the sync) is known to no
+        other replica, which would not apply it, so neither does this one."""
         for key, m in extra:
             self.receive(key[0], key[1], m)
+        only = None if self.reported is None else self.reported | {tuple(k) for k, _ in extra}
         total = np.zeros(self.n, np.float32)
-        if self._drain_into(total):
+        if self._drain_into(total, only):
             self.job.state = self.add_flat(self.job.state, jnp.asarray(total))
