@@ -60,6 +60,15 @@ class MLP(nn.Module):
         return nn.Dense(10)(x)
 
 
+class HalfMLP(nn.Module):
+    """The digits classifier with bfloat16 parameters (computing in float32)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.relu(nn.Dense(24, param_dtype=jnp.bfloat16, dtype=jnp.float32)(x))
+        return nn.Dense(10, param_dtype=jnp.bfloat16, dtype=jnp.float32)(h)
+
+
 class BNNet(nn.Module):
     """A network with batch-norm statistics (non-trainable state)."""
 

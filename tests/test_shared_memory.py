@@ -338,17 +338,11 @@ def test_extension_dtypes_cross_as_themselves():
 
 
 def test_a_network_with_bfloat16_parameters_averages_through_shared_memory(client2, make_net, digits):
-    import flax.linen as nn
     import jax.numpy as jnp
-
-    class Half(nn.Module):
-        @nn.compact
-        def __call__(self, x, train=False):
-            h = nn.relu(nn.Dense(24, param_dtype=jnp.bfloat16, dtype=jnp.float32)(x))
-            return nn.Dense(10, param_dtype=jnp.bfloat16, dtype=jnp.float32)(h)
+    from conftest import HalfMLP
 
     tr, _ = digits
-    net = make_net(module=Half(), updater=optax.adam(1e-2, mu_dtype=jnp.float32))
+    net = make_net(module=HalfMLP(), updater=optax.adam(1e-2, mu_dtype=jnp.float32))
     trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3),
                                  progress=False)
     trainer.fit(tr[:192])

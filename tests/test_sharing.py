@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, accuracy, kill_at_round, slow_loader
+from conftest import MLP, HalfMLP, accuracy, kill_at_round, slow_loader
 
 import dlspark
 from dlspark import AdaptiveThreshold, DistributedTrainer, FixedThreshold, GradientSharing
@@ -283,20 +283,13 @@ def test_the_update_in_pieces_adds_to_a_residual_the_bits_of_the_flat_update(mak
 def test_the_update_in_pieces_keeps_the_updates_dtype_for_low_precision_parameters(digits):
     # bfloat16 parameters under an updater that keeps float32 moments give float32 updates;
     # the pieces keep that dtype, as the flat vector did, rather than the parameters' own.
-    import flax.linen as nn
     import jax.numpy as jnp
     from jax.flatten_util import ravel_pytree
 
     from dlspark.algorithms.sharing._state import add_pieces, sharing_functions
 
-    class Half(nn.Module):
-        @nn.compact
-        def __call__(self, x, train=False):
-            h = nn.relu(nn.Dense(24, param_dtype=jnp.bfloat16, dtype=jnp.float32)(x))
-            return nn.Dense(10, param_dtype=jnp.bfloat16, dtype=jnp.float32)(h)
-
     tr, _ = digits
-    net = dlspark.Network(dlspark.Model.from_flax(Half(), tr[:1].features), loss="softmax_cross_entropy",
+    net = dlspark.Network(dlspark.Model.from_flax(HalfMLP(), tr[:1].features), loss="softmax_cross_entropy",
                           updater=optax.adam(1e-2, mu_dtype=jnp.float32), on_nonfinite="skip")
     batch = tr[:32].jit_batch()
     flat = np.asarray(ravel_pytree(net.steps.compute_update(net.state, batch)[0])[0])
