@@ -11,6 +11,7 @@ whose clock is off would have it). Every job below runs on both.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -108,6 +109,24 @@ def test_json_round_trip(tmp_path, base):
     back = load_json(url)
     assert back.events == s.events and back.rounds == s.rounds and back.clocks == s.clocks and back.jobs == s.jobs
     assert back.stats_as_string() == s.stats_as_string()
+
+
+def test_json_is_strict_with_a_nan_loss(tmp_path):
+    # a round whose losses were all skipped (on_nonfinite="skip") has a NaN loss: written so
+    # that strict JSON parsers (JavaScript's JSON.parse among them) read the file
+    s = _known_stats()
+    s.rounds[0]["loss"] = float("nan")
+    s.rounds += [{"round": 2, "loss": 1.5}, {"round": 3, "loss": float("-inf")}]
+    url = str(tmp_path / "s.json")
+    s.export_json(url)
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    json.loads(open(url).read(), parse_constant=refuse)
+    back = load_json(url)
+    assert math.isnan(back.rounds[0]["loss"]) and back.rounds[-1]["loss"] == float("-inf")
+    assert back.rounds[1:-1] == s.rounds[1:-1] and back.events == s.events
 
 
 def test_load_json_rejects_other_files(tmp_path):

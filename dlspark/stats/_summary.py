@@ -224,17 +224,20 @@ class TrainingStats:
         return cls(d.get("rounds", ()), d.get("events", ()), d.get("clocks"), d.get("jobs", ()))
 
     def export_json(self, url: str, **storage_options) -> None:
-        """Write everything to ``url`` (any fsspec URL) as JSON, atomically."""
+        """Write everything to ``url`` (any fsspec URL) as strict JSON, atomically: a value that
+        is not a finite number (a NaN loss) is written as ``{"__float__": "nan"}``, which
+        :meth:`load_json` reads back, rather than as a bare ``NaN`` that strict parsers refuse."""
         from ..io import write_text
 
-        write_text(url, json.dumps(self.to_dict(), default=_json_default), **storage_options)
+        write_text(url, json.dumps(_finite(self.to_dict()), default=_json_default, allow_nan=False),
+                   **storage_options)
 
     @classmethod
     def load_json(cls, url: str, **storage_options) -> "TrainingStats":
         """Read what :meth:`export_json` wrote."""
         from ..io import read_text
 
-        return cls.from_dict(json.loads(read_text(url, **storage_options)))
+        return cls.from_dict(json.loads(read_text(url, **storage_options), object_hook=_float_hook))
 
     def export_html(self, url: str, title: str = "dlspark training statistics", **storage_options) -> None:
         """Write a self-contained HTML report (bokeh, scripts inlined) to ``url``: the timeline
@@ -244,6 +247,21 @@ class TrainingStats:
         from ._pages import report_html
 
         write_text(url, report_html(self, title), **storage_options)
+
+
+def _finite(x):
+    """``x`` with every float that is not finite written as ``{"__float__": "nan"}`` (or inf)."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [_finite(v) for v in x]
+    if isinstance(x, (float, np.floating)) and not np.isfinite(x):
+        return {"__float__": repr(float(x))}
+    return x
+
+
+def _float_hook(d):
+    return float(d["__float__"]) if len(d) == 1 and "__float__" in d else d
 
 
 def _json_default(x):
