@@ -398,3 +398,24 @@ def test_a_late_push_from_a_lost_sender_is_applied_by_no_replica(make_net, digit
         s.new_round()
     for x, y in zip(jax.tree_util.tree_leaves(a.job.state.params), jax.tree_util.tree_leaves(b.job.state.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)
+
+
+def test_the_threshold_carried_on_leaves_out_workers_that_sent_nothing():
+    # A worker that trained nothing in a fit still holds the fit's starting threshold; the
+    # mean carried to the next fit (and into checkpoints) is the one of the workers that sent.
+    from types import SimpleNamespace
+
+    from dlspark.algorithms.sharing._messages import HaveReply, SyncReply
+    from dlspark.distributed._messages import FitReply, JobOptions
+
+    driver = GradientSharing(steps_per_round=2).create_driver(JobOptions(epochs=1, steps_per_round=2))
+    plan = SimpleNamespace(round=1, epoch=0, contributors=("a",), assignment={"a": (0, 1)})
+    driver.begin(plan, {}, {"a", "b"})  # b has no minibatch this round
+    fit = FitReply(loss_sum=1.0, n=2, examples=2, fit_time=0.1,
+                   extra={"bytes_sent": 0, "dense_bytes": 0, "threshold": 4e-3, "stale_wait": 0.0, "debug": None})
+    driver.step({"a": fit}, {"a", "b"}, 0)
+    driver.step({"a": HaveReply(have={"a": [1, 2]}), "b": HaveReply(have={"a": [1, 2]})}, {"a", "b"}, 0)
+    driver.step({"a": SyncReply(threshold=4e-3, step=2, threshold_state=(4e-3, 0.01, 22)),
+                 "b": SyncReply(threshold=1e-2, step=0, threshold_state=(1e-2, float("nan"), 20))}, {"a", "b"}, 0)
+    assert driver.result_state(["a", "b"]) == {"threshold_states": [(4e-3, 0.01, 22)]}
+    assert [tuple(s) for s in driver.checkpoint_meta(["a", "b"])["threshold_states"]["states"]] == [(4e-3, 0.01, 22)]

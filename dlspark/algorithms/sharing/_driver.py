@@ -111,9 +111,16 @@ class SharingDriver(RoundDriver):
                 "fetched_at_sync": self.fetched,
                 "avg_time": 0.0, "fetch_time": 0.0, "bytes_received": 0}
 
+    def _stepped(self, workers):
+        """The threshold states to carry: those of the workers that sent a message in this job
+        (one that trained nothing still holds the fit's starting threshold, which would pull the
+        mean back), or every worker's when none did."""
+        have = [w for w in workers if w in self.thresholds]
+        sent = [w for w in have if self.counters.get(w, 0) > 0]
+        return [self.thresholds[w] for w in (sent or have)]
+
     def result_state(self, workers):
-        return {"threshold_states": [self.thresholds[w] for w in workers if w in self.thresholds]}
+        return {"threshold_states": self._stepped(workers)}
 
     def checkpoint_meta(self, workers):
-        return {"threshold_states": threshold_meta(self.master.threshold_algorithm,
-                                                   [self.thresholds[w] for w in workers if w in self.thresholds])}
+        return {"threshold_states": threshold_meta(self.master.threshold_algorithm, self._stepped(workers))}
