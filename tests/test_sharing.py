@@ -189,6 +189,12 @@ def test_a_non_finite_loss_stops_or_skips_as_the_network_says(client2, make_net,
     kernel = np.asarray(skipping.state.params["Dense_0"]["kernel"])
     assert np.isfinite(kernel).all() and not np.array_equal(kernel, before)
     assert all(np.isfinite(loss) for _, _, loss in trainer.loss_history)
+    # a worker whose whole share is skipped still counts its steps (an EMPTY note each), so
+    # its peer does not wait dlspark.sharing.stale-timeout (5 s) for messages that never come
+    many_bad = dlspark.DataSet(np.concatenate([np.full_like(tr.features[:128], 1e38), tr.features[:128]]),
+                               np.concatenate([tr.labels[:128], tr.labels[:128]]))  # 8 bad minibatches, then 8
+    trainer.fit(many_bad)
+    assert max(s["stale_wait"] for s in trainer.last_fit_stats) < 2.0, trainer.last_fit_stats
 
 
 def test_the_decoded_sum_reaches_a_cpu_device_without_a_copy():

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - the numpy scan below does the same, sl
     numba = None
 
 __all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "Encoded", "threshold_encode", "decode", "decode_into",
-           "message_info", "bitmap_words", "encode_scratch", "scratch_size"]
+           "empty_message", "message_info", "bitmap_words", "encode_scratch", "scratch_size"]
 
 EMPTY, SPARSE, BITMAP = 0, 1, 2
 HEADER_WORDS = 4
@@ -52,6 +52,11 @@ def bitmap_words(length: int) -> int:
 def _header(fmt, count, length, threshold):
     t = np.array([threshold], np.float32).view(np.int32)[0]
     return np.array([fmt, count, length, t], np.int32)
+
+
+def empty_message(length: int, threshold: float) -> np.ndarray:
+    """An ``EMPTY`` note: a step that moves nothing, sent so that peers count the step."""
+    return _header(EMPTY, 0, length, threshold)
 
 
 def message_info(message: np.ndarray) -> dict:

@@ -18,7 +18,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from ... import config
-from ._encoding import BITMAP, EMPTY, decode_into, encode_scratch, threshold_encode
+from ._encoding import BITMAP, EMPTY, decode_into, empty_message, encode_scratch, threshold_encode
 
 __all__ = ["SharingState"]
 
@@ -267,6 +267,14 @@ class SharingState:
                 job.state = state.replace(opt_state=opt)
                 job.net.nonfinite(int(state.step), float(loss))
                 state = state.replace(rng=rng)  # as in train_step: no replay of the same dropout mask
+                # a skipped step still counts: an EMPTY note, so that peers do not wait for it
+                self.step += 1
+                message = empty_message(self.n, float(self.tstate.threshold))
+                with self.lock:
+                    self.applied.add((job.address, self.step))
+                    self.store[(job.address, self.step)] = message
+                send(self.step, message)
+                nbytes += message.nbytes * len(peers)
                 continue
             state = state.replace(opt_state=opt, model_state=ms, rng=rng)
             add_pieces(self.residual, pieces)
