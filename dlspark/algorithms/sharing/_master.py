@@ -52,9 +52,13 @@ class GradientSharing(Algorithm):
     mesh : {"plain", "tree"}
         ``plain``: every worker sends to every peer. ``tree``: the coordinator
         arranges each round's workers in a tree of fan-out ``tree_fanout``;
-        a worker sends to its tree neighbours, which relay onwards, so no
-        worker talks to more than ``tree_fanout + 1`` others (DL4J's mesh
-        mode, for large clusters).
+        a worker sends to its tree neighbours, which relay onwards, so during
+        a round's steps no worker talks to more than ``tree_fanout + 1``
+        others (DL4J's mesh mode, for large clusters); the round's sync
+        fetches a message a replica missed from whichever worker holds it.
+        Each worker's ``bytes_sent`` counts its messages once per peer
+        (relays move the same total), so the round's total is the bytes on
+        the wire, not each worker's share of them.
     tree_fanout : int
         Children per node of the relay tree.
     steps_per_round : int
