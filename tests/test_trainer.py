@@ -201,6 +201,18 @@ def test_fit_paths_local_directory_and_dask_inputs(client2, make_net, digits, tm
                                                          training_approach="direct"), progress=False).fit(bag, epochs=2)
     assert accuracy(net2, te) > 0.9 and accuracy(net3, te) > 0.9
     assert net2.iteration == net3.iteration == 2 * sum(int(np.ceil(n / 16)) for n in [400, 400, 400, 400, len(tr) - 1600])
+    # arrays chunked along the feature axis too: each minibatch still holds whole examples,
+    # each with its own label (blocks of half the columns were paired with other rows' labels)
+    from dlspark.data import load_ref
+    from dlspark.data._sources import SourceContext, fit_minibatches
+
+    xs = np.arange(100 * 4, dtype=np.float32).reshape(100, 4)
+    ys = np.arange(100, dtype=np.float32).reshape(100, 1)
+    ctx = SourceContext(client2, 25, "export", export_dir=lambda: str(tmp_path / "columns"))
+    refs = fit_minibatches((da.from_array(xs, chunks=(50, 2)), da.from_array(ys, chunks=(50, 1))), ctx).refs
+    merged = dlspark.DataSet.merge([load_ref(r) for r in refs])
+    np.testing.assert_array_equal(merged.features, xs)
+    np.testing.assert_array_equal(merged.labels, ys)
 
 
 def test_fit_paths_from_s3(client2, make_net, digits):

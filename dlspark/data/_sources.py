@@ -465,7 +465,13 @@ def _check_datasets(data, what, allow_empty=False):
 
 
 def _aligned_blocks(x, y):
-    """Delayed row blocks of ``x`` and ``y``, with ``y`` rechunked to ``x``'s rows where they differ."""
+    """Delayed row blocks of ``x`` and ``y``: each block holds whole examples (an array chunked
+    along another axis is rechunked to one chunk there; its blocks would pair part of a row
+    with another block's labels), and ``y`` is cut at ``x``'s rows where they differ."""
+    def whole_rows(a):
+        return a.rechunk({i: -1 for i in range(1, a.ndim)}) if any(len(c) > 1 for c in a.chunks[1:]) else a
+
+    x, y = whole_rows(x), whole_rows(y)
     if x.chunks[0] != y.chunks[0]:
         y = y.rechunk({0: x.chunks[0]})
     return x.to_delayed().ravel(), y.to_delayed().ravel()
