@@ -191,7 +191,8 @@ class DistributedTrainer:
         t_export = time.time()
         m = self._exports.minibatches(data, SourceContext(
             self.client, self.master.batch_size_per_worker, self.master.training_approach,
-            lambda: self._export_dir(storage_options), storage_options=storage_options))
+            lambda: self._export_dir(storage_options), storage_options=storage_options),
+            where=(self.master.export_directory, storage_options))
         return run_fit(self, m.refs, m.partitions, epochs, storage_options=storage_options,
                        checkpoint_every=checkpoint_every,
                        checkpoint_url=checkpoint_url, resume_from=resume_from, callbacks=callbacks, progress=progress,

@@ -547,8 +547,13 @@ def test_a_second_fit_of_the_same_data_exports_nothing_and_close_removes_the_exp
     assert trainer.network.iteration == 24
     trainer.fit(DataSet(data.features + 1.0, data.labels))  # other content: exported anew
     assert len(list(base.iterdir())) == 2
+    # the same content to another export_directory: exported there, not read from the first
+    other = tmp_path / "elsewhere"
+    trainer.master = ParameterAveraging(batch_size_per_worker=32, export_directory=str(other))
+    trainer.fit(data)
+    assert len(list(other.iterdir())) == 1 and len(list(other.rglob("*.npz"))) == 8
     trainer.close()
-    assert list(base.iterdir()) == []
+    assert list(base.iterdir()) == [] and list(other.iterdir()) == []
 
 
 def test_a_trainer_never_closed_leaves_no_temporary_exports(client2, make_net, digits, tmp_path):

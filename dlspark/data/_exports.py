@@ -69,12 +69,15 @@ class Exports:
         self._dirs.append((d, False, dict(storage_options or {})))
         return d
 
-    def minibatches(self, data, ctx):
-        """``fit_minibatches(data, ctx)``, reusing the files of an earlier export of the same content."""
+    def minibatches(self, data, ctx, where=None):
+        """``fit_minibatches(data, ctx)``, reusing the files of an earlier export of the same content
+        to the same place (``where``: the export directory and its fsspec options)."""
         if ctx.training_approach != "export":
             return fit_minibatches(data, ctx)
+        from dask.base import tokenize
+
         token = content_token(data)
-        key = None if token is None else (token, ctx.batch_size)
+        key = None if token is None else (token, ctx.batch_size, tokenize(where))
         if key is not None and key in self._by_content:
             return self._by_content[key]
         out = fit_minibatches(data, ctx)
