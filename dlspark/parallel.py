@@ -37,9 +37,9 @@ from .data import as_dataset, list_minibatches, load_ref
 from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_examples, is_dask_collection,
                             keyed_items, local_batches)
 from .data._sources import keyed_features as require_keyed
-from .distributed._client import _progress_bar, _resume
+from .distributed._client import _progress_bar, _resume, check_epochs_and_checkpoints
 from .evaluation import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
-from .io import check_writable, write_bytes
+from .io import write_bytes
 from .network import Network
 
 __all__ = ["ParallelWrapper", "resolve_devices"]
@@ -236,7 +236,7 @@ class ParallelWrapper:
         Network
             ``self.network``, trained.
         """
-        self._check(epochs, checkpoint_every, checkpoint_url)
+        check_epochs_and_checkpoints(epochs, checkpoint_every, checkpoint_url)
         refs, partitions = _minibatches(data, self.master.batch_size_per_worker)
         return self._run(refs, partitions, epochs, None, storage_options, checkpoint_every, checkpoint_url,
                          resume_from, callbacks, progress)
@@ -248,25 +248,12 @@ class ParallelWrapper:
         system, ``memory://`` included: this process reads them); ``loader`` is ``url -> DataSet``
         for files in another format. ``storage_options`` (fsspec options: credentials, endpoints)
         serve the files, ``checkpoint_url`` and ``resume_from``."""
-        self._check(epochs, checkpoint_every, checkpoint_url)
+        check_epochs_and_checkpoints(epochs, checkpoint_every, checkpoint_url)
         if loader is not None and not callable(loader):
             raise TypeError(f"loader must be a callable url -> DataSet, got {type(loader).__name__}")
         refs = list_minibatches(paths, **(storage_options or {}))
         return self._run(refs, [0] * len(refs), epochs, loader, storage_options, checkpoint_every, checkpoint_url,
                          resume_from, callbacks, progress)
-
-    @staticmethod
-    def _check(epochs, checkpoint_every, checkpoint_url):
-        positive_int("epochs", epochs)
-        if checkpoint_url is not None and checkpoint_every is None:
-            raise ValueError("checkpoint_url needs checkpoint_every, the rounds between two checkpoints, e.g. "
-                             "fit(data, checkpoint_every=10, checkpoint_url=...); without it no checkpoint is written")
-        if checkpoint_every is not None:
-            positive_int("checkpoint_every", checkpoint_every)
-            if not checkpoint_url:
-                raise ValueError("checkpoint_every needs checkpoint_url, e.g. "
-                                 "fit(data, checkpoint_every=10, checkpoint_url='file:///tmp/ck.dls')")
-            check_writable(checkpoint_url, "checkpoint_url")
 
     def _function(self, kind):
         if kind not in self._functions:

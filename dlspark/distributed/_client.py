@@ -45,13 +45,12 @@ def install_plugins(client, pin: bool):
         client.register_plugin(DlsparkWorkerPlugin(pin_cores=pin, n_workers=len(client.scheduler_info()["workers"])))
 
 
-def check_fit_args(master, epochs, checkpoint_every, checkpoint_url):
+def check_epochs_and_checkpoints(epochs, checkpoint_every, checkpoint_url):
+    """A fit's ``epochs``, and ``checkpoint_every`` and ``checkpoint_url`` (both or neither; a
+    local URL must be writable), as both trainers take them."""
     from ..algorithms._base import positive_int
-    from ..data._sources import reject_memory
     from ..io import check_writable
 
-    if master is None:
-        raise ValueError("this trainer has no master; pass one, e.g. DistributedTrainer(client, net, ParameterAveraging())")
     positive_int("epochs", epochs)
     if checkpoint_url is not None and checkpoint_every is None:
         raise ValueError("checkpoint_url needs checkpoint_every, the rounds between two checkpoints, e.g. "
@@ -60,8 +59,17 @@ def check_fit_args(master, epochs, checkpoint_every, checkpoint_url):
         positive_int("checkpoint_every", checkpoint_every)
         if not checkpoint_url:
             raise ValueError("checkpoint_every needs checkpoint_url, e.g. fit(data, checkpoint_every=10, checkpoint_url='s3://b/ck.dls')")
-        reject_memory(checkpoint_url, "checkpoint_url")
         check_writable(checkpoint_url, "checkpoint_url")
+
+
+def check_fit_args(master, epochs, checkpoint_every, checkpoint_url):
+    from ..data._sources import reject_memory
+
+    if master is None:
+        raise ValueError("this trainer has no master; pass one, e.g. DistributedTrainer(client, net, ParameterAveraging())")
+    check_epochs_and_checkpoints(epochs, checkpoint_every, checkpoint_url)
+    if checkpoint_every is not None:  # written by worker processes
+        reject_memory(checkpoint_url, "checkpoint_url")
 
 
 def _progress_bar(show, total):

@@ -246,6 +246,15 @@ class SharingState:
             self.reported = None
         self.gone = set()
 
+    def _publish(self, message, send):
+        """Ship this worker's message of its current step (already applied here), and keep it
+        for peers that miss it."""
+        key = (self.job.address, self.step)
+        with self.lock:
+            self.applied.add(key)
+            self.store[key] = message
+        send(self.step, message)
+
     def fit(self, batches, peers, send):
         """Run the steps of one round over ``batches`` (``(examples, device batch)`` pairs);
         ``send(step, message)`` ships a message to the peers."""
@@ -270,10 +279,7 @@ class SharingState:
                 # a skipped step still counts: an EMPTY note, so that peers do not wait for it
                 self.step += 1
                 message = empty_message(self.n, float(self.tstate.threshold))
-                with self.lock:
-                    self.applied.add((job.address, self.step))
-                    self.store[(job.address, self.step)] = message
-                send(self.step, message)
+                self._publish(message, send)
                 nbytes += message.nbytes * len(peers)
                 continue
             state = state.replace(opt_state=opt, model_state=ms, rng=rng)
@@ -290,10 +296,7 @@ class SharingState:
             total = self.totals.take()
             if message[0] != EMPTY:
                 decode_into(message, total)
-            with self.lock:
-                self.applied.add((job.address, self.step))
-                self.store[(job.address, self.step)] = message
-            send(self.step, message)
+            self._publish(message, send)
             rec.mark("send")
             nbytes += message.nbytes * len(peers)
             self._drain_into(total)
