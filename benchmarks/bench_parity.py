@@ -17,6 +17,12 @@ The figure per run is test accuracy after the same number of epochs; the summary
 mean paired difference from the single process and its standard error, and for
 gradient sharing the bytes it sent over the whole fit against dense fp32 messages.
 
+A second reference, ``single-global``, is the single process at the global minibatch of
+``n`` workers (``n`` x 16 examples a step, the same seeds and shuffles): n replicas that
+average or sum their updates take fewer, less noisy steps than one process at 16, and
+this row tells that effect of the batch from one of distribution. The acceptance's rule
+(``within``) is against the single process at 16; the last column is against this one.
+
 Run ``python benchmarks/bench_parity.py --seeds 10 --workers 2 4`` (``--help`` for the
 options); every result is appended to the JSON file (``--out``) as it comes, so a
 partial run still counts, and a run given the same file skips what is in it.
@@ -147,11 +153,11 @@ def accuracy(net, test):
 
 
 # -- fits ---------------------------------------------------------------------------------------
-def single_fit(task, data, seed):
-    """Test accuracy of a plain ``Network.fit`` on one process."""
+def single_fit(task, data, seed, batch=BATCH):
+    """Test accuracy of a plain ``Network.fit`` on one process, ``batch`` examples a step."""
     train, test = data
     net = make_network(task, train, seed)
-    net.fit(shuffled(train, seed), epochs=task.epochs, batch_size=BATCH)
+    net.fit(shuffled(train, seed), epochs=task.epochs, batch_size=batch)
     return {"accuracy": accuracy(net, test)}
 
 
@@ -184,10 +190,11 @@ def distributed_fit(client, task, data, seed, algorithm, options):
 
 
 # -- summary ------------------------------------------------------------------------------------
-def paired(results, task, run, workers):
-    """``(mean difference, standard error, n)`` of a run's accuracy minus the single process's,
-    paired by seed."""
-    single = {r["seed"]: r["accuracy"] for r in results if r["task"] == task and r["run"] == "single"}
+def paired(results, task, run, workers, against=("single", 1)):
+    """``(mean difference, standard error, n)`` of a run's accuracy minus a reference run's
+    (``(run, workers)``: by default the single process at 16 examples a step), paired by seed."""
+    single = {r["seed"]: r["accuracy"] for r in results
+              if r["task"] == task and (r["run"], r["workers"]) == tuple(against)}
     diffs = [r["accuracy"] - single[r["seed"]] for r in results
              if r["task"] == task and r["run"] == run and r["workers"] == workers and r["seed"] in single]
     if not diffs:
@@ -200,24 +207,30 @@ def paired(results, task, run, workers):
 def summary_table(results):
     """A markdown table: per task the single process's mean ± sd, and per run and worker count
     the mean paired difference ± its standard error (and the bytes ratio for sharing)."""
-    lines = ["| task | run | workers | seeds | accuracy (mean ± sd) | diff from single (mean ± se) | within | dense/sent |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | run | workers | seeds | accuracy (mean ± sd) | diff from single (mean ± se) | within | dense/sent "
+             "| diff from single at the global batch (mean ± se) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for task in TASKS:
         rows = [r for r in results if r["task"] == task]
-        keys = sorted({(r["run"], r["workers"]) for r in rows}, key=lambda k: (k[0] != "single", k[0], k[1]))
+        keys = sorted({(r["run"], r["workers"]) for r in rows},
+                      key=lambda k: (k[0] != "single", k[0] != "single-global", k[0], k[1]))
         for run, w in keys:
             acc = np.array([r["accuracy"] for r in rows if r["run"] == run and r["workers"] == w])
             sd = acc.std(ddof=1) if len(acc) > 1 else float("nan")
             cell = f"{acc.mean():.4f} ± {sd:.4f}"
             if run == "single":
-                lines.append(f"| {task} | single | 1 | {len(acc)} | {cell} | | | |")
+                lines.append(f"| {task} | single | 1 | {len(acc)} | {cell} | | | | |")
                 continue
             p = paired(results, task, run, w)
             ratio = [r["dense_ratio"] for r in rows if r["run"] == run and r["workers"] == w and "dense_ratio" in r]
-            ok = "" if p is None or not np.isfinite(p[1]) else ("yes" if abs(p[0]) <= max(0.005, 2 * p[1]) else "no")
+            ok = "" if p is None or not np.isfinite(p[1]) or run == "single-global" else (
+                "yes" if abs(p[0]) <= max(0.005, 2 * p[1]) else "no")
             diff = "" if p is None else f"{100 * p[0]:+.2f} ± {100 * p[1]:.2f} pts"
-            lines.append(f"| {task} | {run} | {w} | {len(acc)} | {cell} | {diff} | {ok} | "
-                         f"{'' if not ratio else f'{min(ratio):.0f}x (min)'} |")
+            g = None if run == "single-global" else paired(results, task, run, w, against=("single-global", w))
+            name = f"single at {BATCH * w} a step" if run == "single-global" else run
+            lines.append(f"| {task} | {name} | {w} | {len(acc)} | {cell} | {diff} | {ok} | "
+                         f"{'' if not ratio else f'{min(ratio):.0f}x (min)'} | "
+                         f"{'' if g is None else f'{100 * g[0]:+.2f} ± {100 * g[1]:.2f} pts'} |")
     return "\n".join(lines)
 
 
@@ -266,6 +279,8 @@ def run_grid(tasks, seeds, workers, runs, out, extra_runs=None):
     for seed in range(seeds):
         for t in tasks:
             record(t, "single", 1, seed, lambda: single_fit(TASKS[t], data[t], seed))
+            for w in workers:  # the second reference: one process at the workers' global minibatch
+                record(t, "single-global", w, seed, lambda: single_fit(TASKS[t], data[t], seed, BATCH * w))
     for w in workers:
         cluster = local_cluster(w, dashboard_address=None)
         client = Client(cluster)
