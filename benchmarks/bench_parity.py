@@ -206,7 +206,9 @@ def paired(results, task, run, workers, against=("single", 1)):
 
 def summary_table(results):
     """A markdown table: per task the single process's mean ± sd, and per run and worker count
-    the mean paired difference ± its standard error (and the bytes ratio for sharing)."""
+    the mean paired difference ± its standard error (and the bytes ratio for sharing), from
+    the single process and, in the last column, from the single process at the run's global
+    minibatch (``single-global``, whose own rows show their difference from the single process)."""
     lines = ["| task | run | workers | seeds | accuracy (mean ± sd) | diff from single (mean ± se) | within | dense/sent "
              "| diff from single at the global batch (mean ± se) |",
              "|---|---|---|---|---|---|---|---|---|"]
