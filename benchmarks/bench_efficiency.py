@@ -35,24 +35,31 @@ FREQ = 5
 
 
 def measure(kind="mlp", n_rounds=80, workers=2, freq=FREQ, approach="export", algorithm="averaging", segments=4,
-            updater="sgd"):
+            updater="sgd", batch=None, client_cores=None):
     """The job runs as ``segments`` fits of ``n_rounds / segments`` rounds on one trainer; a warm
     baseline process (:class:`_common.PlainProcess`, pinned to the first worker's core and idle
     meanwhile) is timed before the first and after each. Each segment's efficiency divides by
     the mean of the baseline just before and just after it, since this machine's speed drifts
-    by 10% within a minute; ``efficiency`` is their median, with their range beside it."""
+    by 10% within a minute; ``efficiency`` is their median, with their range beside it.
+    ``batch`` overrides the network's minibatch size (:data:`BATCH`). With ``client_cores`` the
+    client's process (which also runs the scheduler and the nannies) moves onto those cores once
+    the workers have pinned themselves to the first ``workers`` cores of those it had, and comes
+    back when the measurement ends."""
     import statistics
 
     from distributed import Client
 
     import dlspark
     from dlspark.cluster import local_cluster
-    from dlspark.distributed._worker import DlsparkWorkerPlugin
+    from dlspark.distributed._worker import DlsparkWorkerPlugin, pin_process
 
-    batch = BATCH[kind]
+    own_cores = os.sched_getaffinity(0) if client_cores is not None else None
+    batch = batch or BATCH[kind]
     data = make_data(batch * freq * workers * (n_rounds // segments), kind)
     with PlainProcess(kind, batch, updater=updater) as plain, local_cluster(workers) as cluster, Client(cluster) as client:
         client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers, cores_per_worker=1))
+        if client_cores is not None:  # workers spawned later would inherit these cores: restored below
+            pin_process(set(client_cores))
         net = make_network(kind, updater)
         sharing = {"steps_per_round": 4 * freq} if algorithm == "sharing" else {}
         master = make_master(algorithm, batch, freq, approach, **sharing)
@@ -80,6 +87,8 @@ def measure(kind="mlp", n_rounds=80, workers=2, freq=FREQ, approach="export", al
             fetch += sum(s["fetch_time"] for s in stats)
         trainer.close()
         bound = statistics.mean(bounds)
+    if client_cores is not None:
+        pin_process(own_cores)
     job_rate = steps / wall
     plain_rate = statistics.mean(plain_rates)
     concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(workers)), updater=updater)
