@@ -12,6 +12,7 @@ network token (:mod:`dlspark._netcache`) and reads minibatches with
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import uuid
@@ -21,11 +22,12 @@ import cloudpickle
 import numpy as np
 
 from ._netcache import network_at
+from .losses import output_probabilities
 from .data._sources import SourceContext, evaluation_parts, in_memory_examples, keyed_items, load_ref
 from .data._sources import keyed_features as require_keyed
 
 __all__ = ["network_blob", "scatter_network", "do_evaluation", "predict_with_keys", "score_examples",
-           "evaluate_part", "merge_evaluations", "predict_stacked", "predict_part", "score_part"]
+           "evaluate_part", "evaluate_dataset", "evaluation_outputs", "merge_evaluations", "predict_stacked", "predict_part", "score_part"]
 
 
 # -- the network, as workers rebuild it ---------------------------------------------
@@ -130,6 +132,33 @@ def _one_output(out, labels, lmask, output):
     return out[output], labels[output], None if lmask is None else lmask[output]
 
 
+def evaluation_outputs(net, out, output=None):
+    """The network's outputs ``out`` (of output ``output``) as its evaluations receive them:
+    through the loss's output activation (softmax or sigmoid), so that thresholds, ROC
+    histograms and calibration bins see probabilities, not logits."""
+    loss = net._loss[output or 0] if isinstance(net._loss, tuple) else net._loss
+    return output_probabilities(loss, out)
+
+
+def evaluate_dataset(net, ds, evaluations, batch_size, output=None, lock=None):
+    """Update ``evaluations`` in place with ``net``'s outputs on the DataSet ``ds``.
+
+    The one evaluation path of every runtime (cluster workers, Spark executors,
+    ParallelWrapper): forward passes of ``batch_size`` examples, the output
+    ``output`` of a multi-output network, probabilities through the loss's output
+    activation (:func:`evaluation_outputs`). ``lock`` guards the updates where
+    several threads fill the same evaluations.
+    """
+    for b in _batches(ds, batch_size):
+        _, labels, fmask, lmask = b.jit_batch()
+        out = net.output(b.features, features_mask=fmask)
+        out, labels, lmask = _one_output(out, labels, lmask, output)
+        probs = evaluation_outputs(net, out, output)
+        with lock if lock is not None else contextlib.nullcontext():
+            for e in evaluations:
+                e.update(labels, probs, lmask)
+
+
 def evaluate_part(blob, refs, evaluations, batch_size, loader=None, storage_options=None, threads=1, output=None):
     """Runs on a worker: fill copies of ``evaluations`` from the minibatches ``refs``; each is read once."""
     net = _network(blob)
@@ -137,14 +166,7 @@ def evaluate_part(blob, refs, evaluations, batch_size, loader=None, storage_opti
     lock = threading.Lock()
 
     def one(ref):
-        ds = load_ref(ref, loader, storage_options)
-        for b in _batches(ds, batch_size):
-            _, labels, fmask, lmask = b.jit_batch()
-            out = net.output(b.features, features_mask=fmask)
-            out, labels, lmask = _one_output(out, labels, lmask, output)
-            with lock:
-                for e in evals:
-                    e.update(labels, out, lmask)
+        evaluate_dataset(net, load_ref(ref, loader, storage_options), evals, batch_size, output, lock)
 
     if threads > 1:
         with ThreadPoolExecutor(threads) as ex:

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["LOSSES", "get_loss", "reduce_loss", "Loss"]
+__all__ = ["LOSSES", "get_loss", "reduce_loss", "Loss", "output_probabilities"]
 
 
 def _check_same(name, out_shape, lab_shape, lab_dtype):
@@ -110,12 +110,32 @@ def _kl(outputs, labels):
     return optax.kl_divergence(jax.nn.log_softmax(outputs, axis=-1), labels.astype(outputs.dtype))
 
 
+def _softmax(outputs):
+    from scipy.special import softmax
+
+    return softmax(outputs, axis=-1)
+
+
+def _sigmoid(outputs):
+    from scipy.special import expit
+
+    return expit(outputs)
+
+
 class Loss(NamedTuple):
-    """A named per-element loss with its label-shape check."""
+    """A named per-element loss with its label-shape check and output activation.
+
+    ``activation`` maps the network's raw outputs (numpy, float64) to what the
+    loss compares with the labels (softmax or sigmoid probabilities for the
+    classification losses; ``None`` where the outputs are used as they are).
+    Evaluations receive the outputs through it, as DL4J's evaluations receive
+    an output layer's activations.
+    """
 
     name: str
     fn: Callable
     check: Callable | None
+    activation: Callable | None = None
 
 
 _SPECS = {
@@ -130,6 +150,13 @@ _SPECS = {
     "squared_hinge": (_squared_hinge, _check_same),
     "cosine_proximity": (_cosine, _check_same),
     "kl_divergence": (_kl, _check_same),
+}
+#: the output activation each classification loss applies to the logits it is given
+_ACTIVATIONS = {
+    "softmax_cross_entropy": _softmax,
+    "negative_log_likelihood": _softmax,
+    "kl_divergence": _softmax,
+    "binary_cross_entropy": _sigmoid,
 }
 _ALIASES = {
     "mcxent": "softmax_cross_entropy",
@@ -165,10 +192,28 @@ def get_loss(loss) -> Loss:
         if key not in _SPECS:
             raise ValueError(f"unknown loss {loss!r}; known losses: {', '.join(LOSSES)}")
         fn, check = _SPECS[key]
-        return Loss(key, fn, check)
+        return Loss(key, fn, check, _ACTIVATIONS.get(key))
     if callable(loss):
         return Loss(getattr(loss, "__name__", "custom"), loss, None)
     raise TypeError(f"loss must be a name (one of {', '.join(LOSSES)}) or a callable, got {type(loss).__name__}")
+
+
+def output_probabilities(loss, outputs):
+    """``outputs`` (raw network outputs) through ``loss``'s output activation, as float64 numpy.
+
+    Softmax for ``softmax_cross_entropy``, ``negative_log_likelihood`` and
+    ``kl_divergence``, sigmoid for ``binary_cross_entropy``; other losses (and
+    callables) leave the outputs as they are.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> output_probabilities(get_loss("xent"), np.zeros((1, 2))).tolist()
+    [[0.5, 0.5]]
+    """
+    outputs = np.asarray(outputs, dtype=np.float64)
+    activation = get_loss(loss).activation
+    return outputs if activation is None else activation(outputs)
 
 
 def reduce_loss(per_element, mask=None):

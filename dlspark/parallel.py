@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._inference import _batches, _check_evaluations, stack_examples, unstack_outputs
+from ._inference import _check_evaluations, evaluate_dataset, stack_examples, unstack_outputs
 from .algorithms._base import Algorithm, positive_int
 from .algorithms.averaging import ParameterAveraging
 from .algorithms.averaging._numerics import is_averaged
@@ -483,13 +483,8 @@ class ParallelWrapper:
         _check_evaluations(evaluations)
         bs = batch_size or self.eval_batch_size
         for ref in self._refs(data, bs, storage_options):
-            for b in _batches(load_ref(ref, loader, storage_options), bs):
-                _, labels, fmask, lmask = b.jit_batch()
-                out = self.network.output(b.features, features_mask=fmask)
-                if isinstance(out, tuple):  # multi-output networks are evaluated on their first output
-                    out, labels, lmask = out[0], labels[0], lmask[0]
-                for e in evaluations:
-                    e.update(labels, out, lmask)
+            # multi-output networks are evaluated on their first output
+            evaluate_dataset(self.network, load_ref(ref, loader, storage_options), evaluations, bs, output=0)
         return list(evaluations)
 
     def evaluate(self, data, batch_size: int | None = None, **kw):

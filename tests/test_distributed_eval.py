@@ -9,6 +9,7 @@ from conftest import MLP
 
 import dlspark
 from dlspark import DataSet, DistributedTrainer, Network
+from dlspark._inference import evaluation_outputs
 from dlspark.evaluation import ROC, Evaluation, EvaluationCalibration, RegressionEvaluation, ROCMultiClass
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,8 @@ def trained(digits, tmp_path_factory):
 
 
 def _local(net, te, *evals):
-    out = net.output(te.features)
+    # evaluations see probabilities: the softmax of the digits network's logits
+    out = evaluation_outputs(net, net.output(te.features))
     for e in evals:
         e.update(te.labels, out)
     return evals
