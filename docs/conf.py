@@ -14,6 +14,10 @@ import sys
 sys.path.insert(0, os.path.abspath("_ext"))
 
 import dlspark  # noqa: E402
+import dlspark_docs  # noqa: E402
+
+# The API pages, the configuration reference and the benchmark tables, from the code and docs/_data.
+dlspark_docs.generate()
 
 project = "dlspark"
 author = "dlspark contributors"
@@ -30,7 +34,7 @@ extensions = [
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_generated", "jupyter_execute", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
 root_doc = "index"
 
 myst_enable_extensions = ["colon_fence", "deflist"]
@@ -45,7 +49,8 @@ nb_execution_show_tb = True
 
 autosummary_generate = True
 autosummary_imported_members = True
-autodoc_default_options = {"members": True, "inherited-members": False, "show-inheritance": True}
+templates_path = ["_templates"]
+autodoc_default_options = {"members": True}
 autodoc_typehints = "none"  # numpydoc's Parameters sections say the types
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False

@@ -1,1 +1,269 @@
-"""Build-time pages for dlspark's site: the configuration reference and the benchmark tables."""
+"""Pages of dlspark's site that are generated when it is built, never written by hand.
+
+- The API reference: one page per public module, listing every name in its ``__all__``
+  (``autosummary`` then writes a page per name from the docstrings).
+- The configuration reference: every key of ``dlspark/dlspark.yaml`` with its default and
+  the comment beside it, which is the key's meaning.
+- The benchmark tables: one table per JSON file under ``docs/_data/``.
+
+``conf.py`` calls :func:`generate` before Sphinx reads a page; ``tests/test_docs.py`` calls
+the same functions to check that nothing public is left out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import re
+import types
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DOCS = os.path.dirname(HERE)
+ROOT = os.path.dirname(DOCS)
+
+#: The public modules, in the order their pages appear. A name re-exported from a module earlier
+#: in this list is documented there once, and the later module's page links to it.
+PUBLIC_MODULES = [
+    "dlspark",
+    "dlspark.data",
+    "dlspark.datasets",
+    "dlspark.losses",
+    "dlspark.evaluation",
+    "dlspark.cluster",
+    "dlspark.stats",
+    "dlspark.io",
+    "dlspark.errors",
+    "dlspark.config",
+    "dlspark.compat",
+    "dlspark.testing",
+]
+
+_SUMMARY = {
+    "dlspark": "The main classes: models, networks, the trainers and the algorithms.",
+    "dlspark.data": "DataSets, the minibatch file format and the data sources.",
+    "dlspark.datasets": "Data that ships with dlspark, for examples and tests.",
+    "dlspark.losses": "Losses by name, with DL4J's names as aliases.",
+    "dlspark.evaluation": "Evaluations that merge across workers.",
+    "dlspark.cluster": "The embedded cluster, job queues, GPUs and memory, the version check.",
+    "dlspark.stats": "Training statistics: the record, its summaries and exports.",
+    "dlspark.io": "Reading and writing at any fsspec URL, atomically.",
+    "dlspark.errors": "The exceptions users catch.",
+    "dlspark.config": "dlspark's settings in ``dask.config``.",
+    "dlspark.compat": "DL4J-on-Spark names over dlspark, taking pyspark RDDs.",
+    "dlspark.testing": "Helpers for testing code that uses dlspark.",
+}
+
+
+def public_modules():
+    """The public modules that can be imported here (``dlspark.testing`` only where it exists)."""
+    mods = []
+    for name in PUBLIC_MODULES:
+        try:
+            mods.append(importlib.import_module(name))
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+    return mods
+
+
+def _canonical(obj):
+    """The (module, name) of the page documenting ``obj``: the first public module exporting it."""
+    for mod in public_modules():
+        for name in getattr(mod, "__all__", ()):
+            if getattr(mod, name) is obj:
+                return mod.__name__, name
+    return None
+
+
+def api_entries(module):
+    """For each name in ``module.__all__``: ``("page", name)``, ``("module", target)`` or
+    ``("link", target)`` where another module's page documents the same object."""
+    out = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if isinstance(obj, types.ModuleType):
+            out.append(("module", obj.__name__))
+            continue
+        where = None if isinstance(obj, (str, int, float, tuple, dict, list, frozenset)) else _canonical(obj)
+        if where is None or where == (module.__name__, name):
+            out.append(("page", name))
+        else:
+            out.append(("link", f"{where[0]}.{where[1]}"))
+    return out
+
+
+def _role(obj):
+    if inspect.isclass(obj):
+        return "class" if not issubclass(obj, BaseException) else "exc"
+    if callable(obj):
+        return "func"
+    return "data"
+
+
+def api_page(module) -> str:
+    """The reStructuredText page of one public module."""
+    name = module.__name__
+    lines = [name, "=" * len(name), "", f".. automodule:: {name}", "   :no-members:", "",
+             f".. currentmodule:: {name}", ""]
+    entries = api_entries(module)
+    pages = [n for kind, n in entries if kind == "page"]
+    if pages:
+        lines += [".. autosummary::", "   :toctree: generated", "   :nosignatures:", ""]
+        lines += [f"   {n}" for n in pages] + [""]
+    mods = [n for kind, n in entries if kind == "module"]
+    if mods:
+        lines += ["Submodules", "----------", ""]
+        lines += [f"- :doc:`{m}` -- {_SUMMARY.get(m, '')}" for m in mods] + [""]
+    links = [n for kind, n in entries if kind == "link"]
+    if links:
+        lines += ["Also exported here", "------------------", ""]
+        for target in links:
+            obj = getattr(importlib.import_module(target.rsplit(".", 1)[0]), target.rsplit(".", 1)[1])
+            lines.append(f"- :py:{_role(obj)}:`{target}`")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_api_pages(outdir):
+    """Write ``<module>.rst`` for each public module and an index of them into ``outdir``."""
+    os.makedirs(outdir, exist_ok=True)
+    names = []
+    for module in public_modules():
+        _write(os.path.join(outdir, f"{module.__name__}.rst"), api_page(module))
+        names.append(module.__name__)
+    index = ["API reference", "=============", "",
+             "Generated from the docstrings, one page for every name in the ``__all__`` of each public module.", "",
+             ".. list-table::", "   :widths: 30 70", ""]
+    for n in names:
+        index += [f"   * - :doc:`{n}`", f"     - {_SUMMARY.get(n, '')}"]
+    index += ["", ".. toctree::", "   :hidden:", ""] + [f"   {n}" for n in names] + [""]
+    _write(os.path.join(outdir, "index.rst"), "\n".join(index))
+    return names
+
+
+# ---------------------------------------------------------------------------- configuration
+
+_KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z0-9_.-]+):(?P<value>[^#]*)(#(?P<comment>.*))?$")
+_COMMENT = re.compile(r"^(?P<indent> *)#(?P<comment>.*)$")
+
+
+def config_keys(path=None):
+    """Every leaf key of ``dlspark.yaml`` as ``(dotted key, default as written, meaning)``.
+
+    The meaning is the comment beside the key and the comment lines right below it that are
+    indented past the key (a continuation). Section comments (own lines, at a key's indentation)
+    are not a key's meaning.
+    """
+    path = path or os.path.join(ROOT, "dlspark", "dlspark.yaml")
+    with open(path) as f:
+        lines = f.read().splitlines()
+    stack = []  # (indent, key)
+    out = []
+    last = None
+    for line in lines:
+        if not line.strip():
+            last = None
+            continue
+        m = _KEY.match(line)
+        if m:
+            indent = len(m["indent"])
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            value = m["value"].strip()
+            if value == "":
+                stack.append((indent, m["key"]))
+                last = None
+                continue
+            key = ".".join([k for _, k in stack] + [m["key"]])
+            out.append([key, value, (m["comment"] or "").strip()])
+            last = (indent, out[-1], line.index("#") if m["comment"] is not None else None)
+            continue
+        c = _COMMENT.match(line)
+        if c and last is not None and last[2] is not None and len(c["indent"]) > last[0]:
+            last[1][2] += " " + c["comment"].strip()
+        else:
+            last = None
+    return [tuple(x) for x in out]
+
+
+def config_table(path=None) -> str:
+    """The configuration reference as a MyST markdown table, grouped by section."""
+    keys = config_keys(path)
+    out = []
+    section = None
+    for key, default, meaning in keys:
+        sec = ".".join(key.split(".")[:2])
+        if sec != section:
+            section = sec
+            out += ["", f"## `{sec}`", "", "| key | default | meaning |", "|---|---|---|"]
+        env = "DASK_" + "__".join(p.upper().replace("-", "_") for p in key.split("."))
+        out.append(f"| `{key}` | `{default}` | {_cell(meaning)} <br>environment: `{env}` |")
+    return "\n".join(out).lstrip() + "\n"
+
+
+def _cell(text):
+    return text.replace("|", "\\|")
+
+
+# ---------------------------------------------------------------------------- benchmarks
+
+
+def benchmark_files():
+    data = os.path.join(DOCS, "_data")
+    return sorted(os.path.join(data, f) for f in os.listdir(data) if f.endswith(".json"))
+
+
+def benchmark_tables(path) -> str:
+    """One suite's JSON (``docs/_data/<suite>.json``) as markdown: its command, machine, source and tables.
+
+    The file holds ``suite``, ``command``, ``machine``, ``source`` (where the figures come from) and
+    ``tables``: each a ``title``, ``columns``, ``rows`` and an optional ``note``.
+    """
+    with open(path) as f:
+        suite = json.load(f)
+    out = [f"**Command:** `{suite['command']}`", "", f"**Machine:** {suite['machine']}", "",
+           f"**Source of these figures:** {suite['source']}", ""]
+    for table in suite["tables"]:
+        if table.get("title"):
+            out += [f"**{table['title']}**", ""]
+        out.append("| " + " | ".join(_cell(str(c)) for c in table["columns"]) + " |")
+        out.append("|" + "---|" * len(table["columns"]))
+        for row in table["rows"]:
+            if len(row) != len(table["columns"]):
+                raise ValueError(f"{os.path.basename(path)}: table {table.get('title')!r} has "
+                                 f"{len(table['columns'])} columns, a row has {len(row)}: {row}")
+            out.append("| " + " | ".join(_cell("" if c is None else str(c)) for c in row) + " |")
+        out.append("")
+        if table.get("note"):
+            out += [table["note"], ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def _write(path, text):
+    """Write only when changed, so that Sphinx does not re-read unchanged pages."""
+    if os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                return
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def generate():
+    """Write every generated page (called from ``conf.py``)."""
+    write_api_pages(os.path.join(DOCS, "api"))
+    gen = os.path.join(DOCS, "_generated")
+    os.makedirs(gen, exist_ok=True)
+    _write(os.path.join(gen, "config.md"), config_table())
+    for path in benchmark_files():
+        name = os.path.splitext(os.path.basename(path))[0]
+        _write(os.path.join(gen, f"bench-{name}.md"), benchmark_tables(path))
+
+
+def setup(app):
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
