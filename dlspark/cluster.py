@@ -12,7 +12,7 @@ from ._versions import CHECKED_PACKAGES, check_versions, cluster_versions, versi
 
 __all__ = ["local_cluster", "slurm_cluster", "jobqueue_options", "default_worker_count", "gpu_devices",
            "worker_env", "keep_client_on_cpu", "check_versions", "cluster_versions", "version_table",
-           "CHECKED_PACKAGES"]
+           "CHECKED_PACKAGES", "dashboard_address", "dashboard_listening"]
 
 #: Set in every worker's environment before JAX starts there.
 WORKER_ENV = {
@@ -260,6 +260,77 @@ def check_main_guard():
         raise RuntimeError(f"{where} starts a dlspark cluster at the top level of the script. " + _GUARD_HELP)
 
 
+_LOOPBACK = "127.0.0.1"
+
+
+def dashboard_address(address=None, host: str | None = None) -> str | None:
+    """Where a dashboard is to listen, as Dask's ``dashboard_address``; a port alone stays on this machine.
+
+    Dask binds a dashboard given as a port alone (``":8787"``, ``8787``) to
+    every network interface. dlspark's clusters bind it to ``host`` (the
+    scheduler's, where one was given) or else to 127.0.0.1: the job's pages
+    are seen from other machines only when an address says so, such as
+    ``"0.0.0.0:8787"`` (every interface) or an interface's own address.
+
+    Parameters
+    ----------
+    address : str, int, list or None
+        ``"127.0.0.1:0"`` (a free port on loopback), ``"0.0.0.0:8787"``, ``":8787"``,
+        ``8787``, several separated by commas; None or ``False``: no dashboard.
+    host : str, optional
+        The scheduler's ``host`` (``local_cluster(host=...)``), used for a port alone.
+
+    Examples
+    --------
+    >>> dashboard_address(":8787")
+    '127.0.0.1:8787'
+    >>> dashboard_address("0.0.0.0:8787")
+    '0.0.0.0:8787'
+    """
+    from distributed.utils import clean_dashboard_address
+
+    if address is None or address is False or address == "":
+        return None
+    if isinstance(address, bool):
+        raise TypeError(f"dashboard_address must be an address such as '127.0.0.1:8787' or None, got {address!r}")
+    try:
+        parsed = clean_dashboard_address(address)
+    except (TypeError, ValueError):
+        raise ValueError(f"dashboard_address must be HOST:PORT ('127.0.0.1:8787'; '0.0.0.0:8787' for every interface) "
+                         f"or a port (':8787', on 127.0.0.1), got {address!r}") from None
+    if host and "://" in str(host):
+        host = str(host).split("://", 1)[1]
+    return ",".join(f"{a['address'] or host or _LOOPBACK}:{a['port']}" for a in parsed)
+
+
+def dashboard_listening(client) -> list:
+    """The ``HOST:PORT`` addresses the dashboard of ``client``'s scheduler listens on (empty: no dashboard)."""
+    try:
+        return client.run_on_scheduler(_dashboard_sockets)
+    except Exception:  # a scheduler that refuses run_on_scheduler, or is gone
+        return []
+
+
+def _reach(listening) -> str:
+    """Who can open a dashboard that listens on ``listening`` (``HOST:PORT`` strings), in words."""
+    hosts = {a.rsplit(":", 1)[0].strip("[]") for a in listening}
+    if not hosts:
+        return "listening on an unknown address"
+    where = ", ".join(listening)
+    if all(h.startswith("127.") or h in ("::1", "localhost") for h in hosts):
+        return f"listening on {where}: this machine only; dlspark.cluster.dashboard-address opens it wider"
+    return f"listening on {where}: other machines can open it"
+
+
+def _dashboard_sockets(dask_scheduler=None):
+    from distributed.comm import get_tcp_server_addresses
+
+    server = getattr(dask_scheduler, "http_server", None)
+    if server is None:
+        return []
+    return [f"[{h}]:{p}" if ":" in str(h) else f"{h}:{p}" for h, p in get_tcp_server_addresses(server)]
+
+
 def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=None, preallocate: bool | None = None,
                   memory_fraction: float | None = None, platform: str | None = None,
                   client_cpu: bool | None = None, **kwargs):
@@ -286,7 +357,12 @@ def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=No
         Keep this (the client's) process on CPU, see :func:`keep_client_on_cpu`
         (``dlspark.client.cpu-only``).
     **kwargs
-        Passed to :class:`distributed.LocalCluster`.
+        Passed to :class:`distributed.LocalCluster`. The scheduler, nannies and
+        workers listen on 127.0.0.1 unless ``host`` says otherwise. No
+        dashboard runs unless ``dashboard_address`` is given, and a port given
+        alone (``":8787"``, ``8787``) listens on ``host``, else on 127.0.0.1
+        only (Dask alone would open every interface; see
+        :func:`dashboard_address`).
 
     Examples
     --------
@@ -311,7 +387,7 @@ def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=No
     env.update(kwargs.pop("env", {}) or {})
     kwargs["memory_limit"] = _memory_limit(memory_limit)
     _client_cpu(client_cpu)
-    kwargs.setdefault("dashboard_address", None)
+    kwargs["dashboard_address"] = dashboard_address(kwargs.get("dashboard_address"), kwargs.get("host"))
     kwargs.setdefault("silence_logs", 40)
     with dask.config.set(WORKER_CONFIG):
         if not devices:

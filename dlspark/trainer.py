@@ -33,7 +33,8 @@ class DistributedTrainer:
         trainer connects to ``dlspark.client.address`` when it is set (``dlspark
         train`` sets it), else starts an embedded ``LocalCluster`` (one worker
         per GPU, else one single-threaded worker process per core, each pinned
-        to its core) and closes it with the trainer. The versions of the
+        to its core; every process and the dashboard listen on 127.0.0.1 only,
+        see ``dlspark.cluster.dashboard-address``) and closes it with the trainer. The versions of the
         packages a job needs are compared on every process first
         (:func:`dlspark.cluster.check_versions`).
     network : Network
@@ -93,7 +94,8 @@ class DistributedTrainer:
         elif client is None and config.get("client.address"):
             client = self._own_client = Client(config.get("client.address"))
         elif client is None:
-            self._cluster = local_cluster(dashboard_address=":0")  # Dask's dashboard, with /dlspark, on a free port
+            # Dask's dashboard, with /dlspark, where dlspark.cluster.dashboard-address says (loopback, a free port)
+            self._cluster = local_cluster(dashboard_address=config.get("cluster.dashboard-address"))
             client = Client(self._cluster)
             pin = not gpu_devices()[1]
         if config.get("client.check-versions"):
@@ -112,11 +114,12 @@ class DistributedTrainer:
         self._exports = Exports()
         install_plugins(client, pin)
         if self._cluster is not None:
+            from .cluster import _reach, dashboard_listening
             from .stats._live import dashboard_link
 
             link = dashboard_link(client)
             if link:
-                print(f"dlspark: the running job's figures at {link}")
+                print(f"dlspark: the running job's figures at {link} ({_reach(dashboard_listening(client))})")
 
     def __getattr__(self, name):
         for store in ("algorithm_state", "published"):
