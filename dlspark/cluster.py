@@ -447,6 +447,33 @@ def jobqueue_options(*, memory_limit=None, preallocate: bool | None = None, memo
     return options
 
 
+def _jobqueue_names(kwargs, cores_per_worker, memory_limit):
+    """Take dask-jobqueue's ``cores``, ``memory`` and ``processes`` out of ``kwargs`` as :func:`slurm_cluster`'s names.
+
+    Its users type ``SLURMCluster``'s names first; they mean the same here, except that a job
+    always runs one worker process (``processes=1``).
+    """
+    if "processes" in kwargs:
+        processes = kwargs.pop("processes")
+        if processes != 1:
+            raise ValueError(f"processes: each SLURM job runs one dlspark worker (processes=1), got processes="
+                             f"{processes!r}; ask for more workers with n_workers or cluster.scale(n), and for a "
+                             "job's cores with cores_per_worker")
+    if "cores" in kwargs:
+        cores = kwargs.pop("cores")
+        if cores_per_worker not in (1, cores):
+            raise ValueError(f"cores={cores!r} and cores_per_worker={cores_per_worker!r} disagree: cores is "
+                             "dask-jobqueue's name for slurm_cluster's cores_per_worker; give one of them")
+        cores_per_worker = cores
+    if "memory" in kwargs:
+        memory = kwargs.pop("memory")
+        if memory_limit is not None and memory_limit != memory:
+            raise ValueError(f"memory={memory!r} and memory_limit={memory_limit!r} disagree: memory is "
+                             "dask-jobqueue's name for slurm_cluster's memory_limit; give one of them")
+        memory_limit = memory
+    return cores_per_worker, memory_limit
+
+
 def slurm_cluster(n_workers: int = 0, *, gpus_per_worker: int = 0, cores_per_worker: int = 1, memory_limit=None,
                   preallocate: bool | None = None, memory_fraction: float | None = None, platform: str | None = None,
                   client_cpu: bool | None = None, job_extra_directives=(), job_script_prologue=(), **kwargs):
@@ -480,6 +507,9 @@ def slurm_cluster(n_workers: int = 0, *, gpus_per_worker: int = 0, cores_per_wor
     **kwargs
         Passed to ``dask_jobqueue.SLURMCluster`` (``queue``, ``account``,
         ``walltime``, ``interface``, ``log_directory``, ``python`` ...).
+        dask-jobqueue's own names for what this function sets are taken too:
+        ``cores`` as ``cores_per_worker``, ``memory`` as ``memory_limit``, and
+        ``processes=1`` (one worker per job is how dlspark runs).
 
     Examples
     --------
@@ -491,6 +521,7 @@ def slurm_cluster(n_workers: int = 0, *, gpus_per_worker: int = 0, cores_per_wor
         from dask_jobqueue import SLURMCluster
     except ImportError:  # pragma: no cover - the hpc extra
         raise ImportError("slurm_cluster needs dask-jobqueue: pip install 'dlspark[hpc]'") from None
+    cores_per_worker, memory_limit = _jobqueue_names(kwargs, cores_per_worker, memory_limit)
     gpus = int(gpus_per_worker)
     if gpus < 0:
         raise ValueError(f"gpus_per_worker must be >= 0, got {gpus_per_worker!r}")

@@ -51,6 +51,27 @@ def test_bad_settings_are_refused_by_name():
         dcluster.slurm_cluster(cores_per_worker=0, memory_limit="1GB")
 
 
+
+def test_slurm_cluster_takes_dask_jobqueues_own_names():
+    # SLURMCluster's users type cores= and memory= first; they book the job as cores_per_worker and memory_limit do
+    cluster = dcluster.slurm_cluster(0, cores=3, memory="2GB", processes=1, interface="lo",
+                                     scheduler_options={"dashboard_address": None})
+    try:
+        lines = cluster.job_script().splitlines()
+    finally:
+        cluster.close()
+    assert "#SBATCH --cpus-per-task=3" in lines and "#SBATCH --mem=2G" in lines
+    worker = next(line for line in lines if "distributed.cli.dask_worker" in line)
+    assert "--nthreads 1 " in worker and "--memory-limit 1.86GiB" in worker  # 2 GB
+    with pytest.raises(ValueError, match=r"processes: each SLURM job runs one dlspark worker \(processes=1\), "
+                                         r"got processes=4; ask for more workers with n_workers"):
+        dcluster.slurm_cluster(cores=4, processes=4, memory="2GB")
+    with pytest.raises(ValueError, match=r"cores=2 and cores_per_worker=4 disagree: cores is dask-jobqueue's name "
+                                         r"for slurm_cluster's cores_per_worker"):
+        dcluster.slurm_cluster(cores=2, cores_per_worker=4, memory_limit="2GB")
+    with pytest.raises(ValueError, match=r"memory='2GB' and memory_limit='4GB' disagree"):
+        dcluster.slurm_cluster(memory="2GB", memory_limit="4GB")
+
 @pytest.mark.slow
 def test_client_stays_on_cpu_while_workers_keep_their_platform():
     # A fresh process: JAX must not have started before the setting applies. The config key
