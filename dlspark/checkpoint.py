@@ -244,10 +244,19 @@ def read_checkpoint_aux(url: str, **storage_options):
     return _read_arrays(url, z, meta, "aux.npz", "aux_leaves")
 
 
-def load_checkpoint(url: str, **storage_options):
-    """Rebuild a :class:`~dlspark.Network` from ``url``, definition included (trusted files only)."""
-    from .network import Network
+def load_checkpoint(url: str, from_definition, **storage_options):
+    """Rebuild a network from ``url``, definition included (trusted files only).
 
+    Parameters
+    ----------
+    url : str
+    from_definition : callable
+        ``definition -> network``, :meth:`dlspark.Network.from_definition`
+        (``Network.load`` passes it: the checkpoint format sits below the
+        network and does not import it).
+    **storage_options
+        fsspec options.
+    """
     raw = _read(url, storage_options)
     z, _ = _open(url, raw)
     if "definition.pkl" not in z.namelist():
@@ -256,6 +265,6 @@ def load_checkpoint(url: str, **storage_options):
         definition = cloudpickle.loads(z.read("definition.pkl"))
     except Exception as e:
         raise CheckpointError(url, f"the stored definition cannot be unpickled here ({type(e).__name__}: {e})") from None
-    net = Network.from_definition(definition)
+    net = from_definition(definition)
     net.state = state_from_bytes(raw, net.state, url)
     return net

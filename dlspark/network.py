@@ -1,4 +1,7 @@
-"""Network: model + loss + optax updater + train state; local fit, output, score, save and load."""
+"""Network: model + loss + optax updater + train state; the step functions, output, score, save and load.
+
+The local fit loop is :mod:`dlspark._fit`; the checks on a network's input, :mod:`dlspark._checks`.
+"""
 
 from __future__ import annotations
 
@@ -12,24 +15,16 @@ import numpy as np
 import optax
 from flax import struct
 
+from . import _checks, _fit
+from ._checks import _as_tuple, _per_output
 from . import losses as _losses
+from ._fit import _SYNC_EVERY, batch_signature, one_shape  # noqa: F401  (their home was here)
 from .data import as_dataset, load_minibatch
 from .errors import NonFiniteLossError
 
 __all__ = ["Network", "TrainState", "Steps", "build_steps"]
 
 _ON_NONFINITE = ("raise", "skip")
-#: local fit reads losses back (one host sync) every this many steps: each sync costs
-#: about as much as ten small steps on one core (benchmarks/bench_fit_overhead.py). The
-#: window's minibatches stay referenced until it is checked (to replay it from its start).
-_SYNC_EVERY = 128
-_END = object()
-#: fit's default number of minibatches per compiled call (``steps_per_call=None``) where it
-#: fuses them: a rolled loop's compile time does not grow with this count
-_FUSE_STEPS = 16
-#: ...and the most bytes of one minibatch it fuses: past this a step is not dispatch-bound and
-#: stacking would only copy
-_FUSE_MAX_BYTES = 1 << 20
 
 
 @struct.dataclass
@@ -106,18 +101,6 @@ def _resolve_losses(loss):
     if isinstance(loss, (list, tuple)) and not isinstance(loss, _losses.Loss):
         return tuple(_losses.get_loss(x) for x in loss)
     return _losses.get_loss(loss)
-
-
-def _as_tuple(x):
-    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
-
-
-def _per_output(loss, n):
-    if not isinstance(loss, _losses.Loss):
-        if len(loss) != n:
-            raise ValueError(f"got {len(loss)} losses for {n} outputs; give one loss, or one per output")
-        return loss
-    return (loss,) * n
 
 
 def build_steps(model, loss, updater) -> Steps:
@@ -261,36 +244,8 @@ def build_steps(model, loss, updater) -> Steps:
     return steps
 
 
-def batch_signature(batch):
-    """What must agree for jit batches (``(x, y, fmask, lmask)``) to stack: their structure and
-    every array's shape and dtype (read from the arrays, not copied to the host)."""
-    x, y, fm, lm = batch
-    if type(x) is np.ndarray and type(y) is np.ndarray and fm is None and lm is None:
-        return x.shape, x.dtype, y.shape, y.dtype  # the common case, without a tree walk
-    leaves, treedef = jax.tree_util.tree_flatten(batch)
-    return treedef, tuple((np.shape(a), np.result_type(a)) for a in leaves)
-
-
-def one_shape(batches) -> bool:
-    """Whether the jit batches ``batches`` stack (:func:`batch_signature`)."""
-    return len({batch_signature(b) for b in batches}) == 1
-
-
 def _to_device_batch(ds):
     return jax.tree_util.tree_map(jnp.asarray, ds.jit_batch())
-
-
-def _check_class_ids(labels, ids) -> None:
-    """Raise ``ValueError`` naming the class ids of ``labels`` outside ``[0, classes)``."""
-    labs = _as_tuple(labels)
-    for i, n in ids:
-        lab = np.asarray(labs[i])
-        if lab.size and (lab.min() < 0 or lab.max() >= n):
-            bad = np.unique(lab[(lab < 0) | (lab >= n)])
-            where = f"labels[{i}]" if len(labs) > 1 else "the labels"
-            raise ValueError(f"{where} hold class ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''} outside "
-                             f"[0, {n}): the model has {n} outputs, so class ids run from 0 to {n - 1} "
-                             "(ids counted from 1 need 1 subtracted)")
 
 
 class Network:
@@ -411,53 +366,11 @@ class Network:
         self._check_jit_batch(ds.jit_batch())
 
     def _check_jit_batch(self, batch) -> None:
-        x, y, fm, lm = batch
-        if y is None or (isinstance(y, tuple) and (not y or any(a is None for a in y))):
-            raise ValueError("the data set has no labels: training, scoring and evaluation need them "
-                             "(for outputs alone, use output or predict_with_keys)")
-        if type(x) is np.ndarray and type(y) is np.ndarray and fm is None and lm is None:
-            key = (x.shape[1:], x.dtype, y.shape[1:], y.dtype)  # the common case, without a tree walk
-        else:
-            leaves, treedef = jax.tree_util.tree_flatten(batch)
-            key = (treedef, tuple((a.shape[1:], a.dtype) if hasattr(a, "dtype")
-                                  else (np.shape(a)[1:], np.asarray(a).dtype) for a in leaves))
-        ids = self._checked_shapes.get(key)
-        if ids is not None:
-            if ids:
-                _check_class_ids(y, ids)
-            return
-        out = self._output_shapes(x, fm)
-        outs, labs = _as_tuple(out), _as_tuple(y)
-        if len(outs) != len(labs):
-            raise ValueError(f"the model gives {len(outs)} outputs but the data has {len(labs)} labels arrays")
-        for fn, o, lab in zip(_per_output(self._loss, len(labs)), outs, labs):
-            _losses.check_labels(fn, o.shape, lab.shape, lab.dtype)
-            if not np.issubdtype(lab.dtype, np.number) and lab.dtype != np.bool_:
-                raise TypeError(f"labels must be numeric, got dtype {lab.dtype}")
-        lms = _as_tuple(lm)
-        for lmask, o in zip(lms * (len(outs) if len(lms) == 1 else 1), outs):
-            if lmask is not None:
-                _losses._broadcast_mask(jnp.zeros(lmask.shape), o.shape[:-1])
-        # integer class ids (one axis fewer than the outputs): their values are checked on every
-        # minibatch (out of range, they index past the outputs, which gives a NaN loss or, below 0,
-        # silently the last class)
-        ids = [(i, o.shape[-1]) for i, (o, lab) in enumerate(zip(outs, labs))
-               if len(lab.shape) == len(o.shape) - 1 and np.issubdtype(lab.dtype, np.integer)]
-        if ids:
-            _check_class_ids(y, ids)
-        self._checked_shapes[key] = ids
+        _checks.check_jit_batch(self, batch)
 
     def _output_shapes(self, x, fm):
-        """The model's outputs for features ``x`` as shapes, or a ``ValueError`` naming the
-        features' shape and the model's example input when it cannot take them."""
-        try:
-            return jax.eval_shape(lambda s, xx, m: self.model.apply_eval(s.params, s.model_state, xx, m),
-                                  self.state, x, fm)
-        except Exception as e:
-            raise ValueError(
-                f"the model cannot take features of shape {jax.tree_util.tree_map(np.shape, x)} "
-                f"(example input: {jax.tree_util.tree_map(np.shape, self.model.example_input)}): {e}"
-            ) from None
+        """The model's outputs for features ``x`` as shapes (see :func:`dlspark._checks.output_shapes`)."""
+        return _checks.output_shapes(self, x, fm)
 
     # --- training -------------------------------------------------------------
     def _minibatches(self, data, batch_size, epochs):
@@ -510,181 +423,15 @@ class Network:
         buffer. A minibatch that cannot be read or fed ends the fit with its
         error, after the minibatches before it are trained and recorded.
         """
-        if not isinstance(epochs, (int, np.integer)) or epochs < 1:
-            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
-        if steps_per_call is not None and (not isinstance(steps_per_call, (int, np.integer))
-                                           or isinstance(steps_per_call, bool) or steps_per_call < 1):
-            raise ValueError(f"steps_per_call must be a positive integer or None (chosen per network), "
-                             f"got {steps_per_call!r}")
-        batches, are_urls = self._minibatches(data, batch_size, epochs)
-        if hasattr(batches, "__len__") and len(batches) == 0:
-            raise ValueError("the data holds no examples: fit needs at least one minibatch, got an empty dataset")
-        if shuffle and not hasattr(batches, "__len__"):
-            raise ValueError("shuffle=True needs minibatches it can reorder (a DataSet, a list, URLs); an iterator's "
-                             "are taken in the order they come: shuffle them before, or pass shuffle=False")
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=epochs * len(batches) if hasattr(batches, "__len__") else None, unit="batch")
-        # (minibatches, their losses on the device: one, or one per minibatch of a fused call)
-        # of the steps since the last check
-        window: list = []
-        in_window = 0
-        start, first = self._window_start(), int(self.state.step)  # a copy of the window's first state
-        fuse = steps_per_call
-        pending: list = []  # consecutive minibatches of one shape, not yet run
-
-        def run(group):
-            nonlocal in_window, first, start
-            # No host sync per step: steps queue up on the device while Python prepares
-            # the next ones, and are checked and read back every _SYNC_EVERY steps.
-            if len(group) == 1:
-                self.state, loss = self.steps.bare_step(self.state, group[0])
-            else:
-                stacked = jax.tree_util.tree_map(lambda *a: np.stack(a), *group)
-                self.state, loss = self.steps.loop_steps(self.state, stacked)
-            window.append((group, loss))
-            in_window += len(group)
-            if in_window >= _SYNC_EVERY:
-                first, start = self._settle(window, start, first, bar, epochs=0)
-                in_window = 0
-
-        def run_pending():
-            for b in pending:
-                run([b])
-            pending.clear()
-
-        try:
-            for _ in range(epochs):
-                order = list(batches) if hasattr(batches, "__len__") else batches
-                if shuffle and hasattr(batches, "__len__"):
-                    perm = np.random.default_rng([self.seed, self.epoch]).permutation(len(order))
-                    order = [order[i] for i in perm]
-                kind = None  # the shape of the minibatches in pending
-                minibatches = iter(order)
-                while True:
-                    try:
-                        mb = next(minibatches, _END)
-                        if mb is _END:
-                            break
-                        batch = self._device_batch(load_minibatch(mb) if are_urls else mb)
-                    except Exception:
-                        # a minibatch that cannot be read or fed: the ones before it are trained,
-                        # checked and recorded, as with one call per minibatch
-                        run_pending()
-                        if window:
-                            self._settle(window, start, first, bar, epochs=0)
-                        raise
-                    if fuse is None:
-                        fuse = self._fused_steps(batch)
-                    if fuse == 1:
-                        run([batch])
-                        continue
-                    sig = batch_signature(batch)
-                    if sig != kind:
-                        run_pending()
-                        kind = sig
-                    pending.append(batch)
-                    if len(pending) == fuse:
-                        run(list(pending))
-                        pending.clear()
-                run_pending()
-                if window:
-                    first, start = self._settle(window, start, first, bar, epochs=1)
-                    in_window = 0
-                else:  # each its own array: the state's are donated to the next step
-                    self.state = self.state.replace(epoch=self.state.epoch + 1)
-                    start = start.replace(epoch=start.epoch + 1)
-            self._start = (self.state, start)
-        finally:
-            if bar is not None:
-                bar.close()
-        return self
-
+        return _fit.fit(self, data, epochs, batch_size, shuffle, progress, steps_per_call)
     def _fused_steps(self, batch) -> int:
         """``fit``'s default steps per call for minibatches like ``batch`` (see ``fit``)."""
-        leaves = jax.tree_util.tree_leaves(batch)
-        if sum(a.nbytes if hasattr(a, "nbytes") else np.asarray(a).nbytes for a in leaves) > _FUSE_MAX_BYTES:
-            return 1
-        return 1 if self._step_convolves(batch) else _FUSE_STEPS
+        return _fit.fused_steps(self, batch)
 
     def _step_convolves(self, batch, state=None) -> bool:
-        """Whether the step on minibatches like ``batch`` has a convolution: XLA's CPU backend
-        runs those many times slower in a rolled loop. Found once per network, from the trace
-        of the step (on ``state``, by default the network's own; only its shapes count)."""
-        convolves = self.__dict__.get("_convolves")
-        if convolves is None:
-            # the step's trace is cached for its first call
-            jaxpr = self.steps.bare_step.trace(self.state if state is None else state, batch).jaxpr
-            convolves = self._convolves = "conv_general_dilated" in str(jaxpr)
-        return convolves
+        """Whether the step on minibatches like ``batch`` has a convolution (see ``fit``)."""
+        return _fit.step_convolves(self, batch, state)
 
-    def _window_start(self):
-        """A copy of the state, to replay a window from: the one the last fit left when the
-        state is still the one it ended with."""
-        kept = self.__dict__.pop("_start", None)
-        if kept is not None and kept[0] is self.state:
-            return kept[1]
-        return self.steps.copy_state(self.state)
-
-    def _device_batch(self, ds):
-        batch = as_dataset(ds).jit_batch()
-        self._check_jit_batch(batch)
-        # numpy arrays straight into the jitted step: its C++ path moves them to the device
-        # for a fraction of what a jnp.asarray per array costs in Python
-        return batch
-
-    def _settle(self, window, start, first, bar, epochs):
-        """Check and read back the bare steps of ``window`` (one transfer) and record their losses.
-
-        When a loss, or the parameters at the window's end, are not finite, the window is
-        replayed from ``start`` (the state before it; the steps are deterministic) under
-        the non-finite policy: "raise" redoes the steps before the first bad one and
-        raises, leaving the parameters from before it; "skip" redoes the window with
-        ``train_step``, which leaves the state unchanged by a bad step. Adds ``epochs``
-        to the epoch counter and empties ``window``; returns the iteration of the next
-        step and the next window's start.
-        """
-        batches = [b for group, _ in window for b in group]
-        n = len(batches)
-        singles = [loss for group, loss in window if len(group) == 1]
-        fused = [loss for group, loss in window if len(group) > 1]  # one array per fused call
-        # the single calls' losses always _SYNC_EVERY of them (the last repeated), so that one
-        # program serves every window, whatever its mix of single and fused calls
-        pad = singles[-1:] or [fused[-1][-1]]
-        self.state, following, ok, stacked = self.steps.window_end(
-            self.state, singles + pad * (_SYNC_EVERY - len(singles)), epochs)
-        stacked, ok, fused = jax.device_get((stacked, ok, fused))
-        one, many = iter(stacked[:len(singles)]), iter(fused)
-        losses = np.concatenate([np.reshape(next(many), -1) if len(group) > 1 else np.reshape(next(one), 1)
-                                 for group, _ in window])
-        window.clear()
-        oks = np.isfinite(losses)
-        if not (ok and oks.all()):
-            self.state = self.steps.copy_state(start)  # train_step donates what it is given
-            replayed = []
-            for batch in batches:
-                self.state, loss, ok = self.steps.train_step(self.state, batch)
-                replayed.append((loss, ok))
-            losses, oks = (np.asarray(v) for v in zip(*jax.device_get(replayed)))
-            if self.on_nonfinite == "raise":
-                bad = int(np.argmin(oks))
-                self.state = start
-                for batch in batches[:bad]:
-                    self.state, _ = self.steps.bare_step(self.state, batch)
-                self._record(range(first, first + bad), losses[:bad], bar)
-                self.nonfinite(first + bad, float(losses[bad]))
-            self.state = self.state.replace(epoch=self.state.epoch + epochs)
-            following = self.steps.copy_state(self.state)
-        self._record([first + i for i in range(n) if oks[i]], losses[oks], bar)
-        if bar is not None:
-            bar.update(n)
-        return first + n, following
-
-    def _record(self, iterations, losses, bar):
-        self.score_history.extend((i, float(x)) for i, x in zip(iterations, losses))
-        if bar is not None and len(losses):
-            bar.set_postfix(loss=f"{float(losses[-1]):.4g}", refresh=False)
 
     def fit_minibatch(self, ds) -> float:
         """One training step on one minibatch; returns its loss (DL4J's ``fit(DataSet)``)."""
@@ -776,7 +523,7 @@ class Network:
         :meth:`restore`.
         """
         from .checkpoint import load_checkpoint
-        return load_checkpoint(url, **storage_options)
+        return load_checkpoint(url, cls.from_definition, **storage_options)
 
     def __repr__(self):
         return f"Network({self.model!r}, params={self.num_params}, iteration={self.iteration}, epoch={self.epoch})"
