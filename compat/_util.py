@@ -40,13 +40,71 @@ def _drop(url):
         fs.rm(path)
 
 
+_RESTORE_HELP = (
+    "{name} rebuilds a network from the file only when told to trust it: the file's stored "
+    "definition is a pickle, and unpickling it runs whatever code it holds. Pass the network to "
+    "load the arrays into (its model, loss and updater built by your code; nothing from the file "
+    "runs), e.g. ModelSerializer.{name}(path, True, network=dlspark.Network(model, ...)), or "
+    "trusted=True for a file you trust ({name}(path, trusted=True), as Network.load does)"
+)
+
+
+def _read_all(url_or_stream, name) -> tuple:
+    """``(bytes, where)`` from a URL or path, or from a readable binary stream."""
+    if isinstance(url_or_stream, str):
+        return read_bytes(url_or_stream), url_or_stream
+    if hasattr(url_or_stream, "read"):
+        return url_or_stream.read(), f"<{type(url_or_stream).__name__}>"
+    raise TypeError(f"{name} reads a URL (str) or a binary stream, got {type(url_or_stream).__name__}")
+
+
+def _restore(name, url_or_stream, load_updater, network, trusted) -> Network:
+    if network is not None and not isinstance(network, Network):
+        raise TypeError(f"network must be the dlspark.Network to load the arrays into, got {type(network).__name__}")
+    if not isinstance(trusted, bool):
+        raise TypeError(f"trusted must be True or False, got {trusted!r}")
+    if network is not None and trusted:
+        raise ValueError(f"{name} takes network= (the arrays only: nothing from the file runs) or trusted=True "
+                         "(the network rebuilt from the file's pickled definition), not both")
+    if network is None and not trusted:
+        raise TypeError(_RESTORE_HELP.format(name=name))
+    if network is not None:
+        from dlspark.checkpoint import state_from_bytes
+        from dlspark.errors import CheckpointError
+
+        try:
+            raw, where = _read_all(url_or_stream, name)
+        except FileNotFoundError:
+            raise CheckpointError(str(url_or_stream), "file not found") from None
+        # Only the archive's JSON metadata and its npz arrays (allow_pickle=False) are read.
+        restored = Network.from_definition(network.definition(), state=state_from_bytes(raw, network.state, where))
+    elif isinstance(url_or_stream, str):
+        restored = Network.load(url_or_stream)
+    else:
+        raw, _ = _read_all(url_or_stream, name)
+        url = _scratch_url()
+        try:
+            write_bytes(url, raw)
+            restored = Network.load(url)
+        finally:
+            _drop(url)
+    if not load_updater:
+        restored.state = restored.state.replace(opt_state=restored.updater.init(restored.state.params))
+    return restored
+
+
 @with_snake_aliases
 class ModelSerializer:
     """DL4J's ``ModelSerializer``: a network to a file (any URL) or a binary stream, and back.
 
-    The file is dlspark's checkpoint (one zip: arrays, counters and the pickled
-    definition; see the README). Restoring rebuilds the network from the
-    stored definition: load only files you trust.
+    The file is dlspark's checkpoint (one zip: JSON metadata, the arrays as
+    ``.npz`` and the network's definition as a cloudpickle). Restoring reads
+    the arrays into a network the caller builds (``network=``), and nothing
+    from the file runs, as DL4J's model zips are data. Rebuilding the network
+    from the file's own definition unpickles it, which runs whatever code the
+    file holds: it is done only with ``trusted=True``, for files you trust
+    (:meth:`dlspark.Network.load` on the core's face; :meth:`dlspark.Network.restore`
+    is its arrays-only load).
     """
 
     @staticmethod
@@ -71,27 +129,41 @@ class ModelSerializer:
             _drop(url)
 
     @staticmethod
-    def restoreMultiLayerNetwork(url_or_stream, load_updater: bool = True) -> Network:
-        """Read a network written by :meth:`writeModel` (a URL or path, or a readable binary stream)."""
-        if isinstance(url_or_stream, str):
-            network = Network.load(url_or_stream)
-        elif hasattr(url_or_stream, "read"):
-            url = _scratch_url()
-            try:
-                write_bytes(url, url_or_stream.read())
-                network = Network.load(url)
-            finally:
-                _drop(url)
-        else:
-            raise TypeError(f"restore reads a URL (str) or a binary stream, got {type(url_or_stream).__name__}")
-        if not load_updater:
-            network.state = network.state.replace(opt_state=network.updater.init(network.state.params))
-        return network
+    def restoreMultiLayerNetwork(url_or_stream, load_updater: bool = True, *, network: Network | None = None,
+                                 trusted: bool = False) -> Network:
+        """Read a network written by :meth:`writeModel` (a URL or path, or a readable binary stream).
+
+        Parameters
+        ----------
+        url_or_stream : str or binary stream
+        load_updater : bool
+            Keep the stored updater state (momentum, Adam moments); without, it starts fresh.
+        network : dlspark.Network, optional
+            The network whose structure the file's arrays fill: a new network
+            with its model, loss and updater and the file's arrays is returned,
+            ``network`` itself is left as it was. Nothing from the file is
+            executed (its arrays are read with ``allow_pickle=False``); a file
+            from another architecture is refused by name
+            (:class:`~dlspark.errors.CheckpointError`).
+        trusted : bool
+            Without ``network``: rebuild the network from the file's pickled
+            definition, which runs the code the file holds. For files you
+            trust only.
+
+        Examples
+        --------
+        >>> net = dlspark.Network(model, loss="softmax_cross_entropy", updater=optax.adam(1e-3))  # doctest: +SKIP
+        >>> restored = ModelSerializer.restoreMultiLayerNetwork("model.dls", True, network=net)  # doctest: +SKIP
+        >>> mine = ModelSerializer.restoreMultiLayerNetwork("model.dls", trusted=True)  # my own file  # doctest: +SKIP
+        """
+        return _restore("restoreMultiLayerNetwork", url_or_stream, load_updater, network, trusted)
 
     @staticmethod
-    def restoreComputationGraph(url_or_stream, load_updater: bool = True) -> Network:
-        """:meth:`restoreMultiLayerNetwork` for a network with several inputs or outputs."""
-        return ModelSerializer.restoreMultiLayerNetwork(url_or_stream, load_updater)
+    def restoreComputationGraph(url_or_stream, load_updater: bool = True, *, network: Network | None = None,
+                                trusted: bool = False) -> Network:
+        """:meth:`restoreMultiLayerNetwork` for a network with several inputs or outputs (the same
+        ``network=`` and ``trusted=``)."""
+        return _restore("restoreComputationGraph", url_or_stream, load_updater, network, trusted)
 
 
 class StatsUtils:
