@@ -130,6 +130,37 @@ def client2():
     yield from _cluster_client(2)
 
 
+@pytest.fixture(scope="session")
+def sc():
+    """One pyspark SparkContext for the whole run (local[2], a 1 MiB cap on what reaches the
+    driver), shared by every compat test module: starting Spark's JVM costs seconds."""
+    pytest.importorskip("pyspark")
+    import sys
+    from pathlib import Path
+
+    from pyspark import SparkConf, SparkContext
+
+    before = os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python: this one, with dlspark installed
+    conf = (SparkConf().setMaster("local[2]").setAppName("dlspark-compat-tests")
+            .set("spark.driver.maxResultSize", "1m")
+            .set("spark.ui.enabled", "false")
+            # the executors unpickle the tests' model classes (conftest.MLP) and helpers
+            .set("spark.executorEnv.PYTHONPATH", str(Path(__file__).parent))
+            # each executor process compiles every network it meets; share the compiled code on disk
+            .set("spark.executorEnv.JAX_COMPILATION_CACHE_DIR", os.environ["JAX_COMPILATION_CACHE_DIR"])
+            .set("spark.executorEnv.JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+            .set("spark.ui.showConsoleProgress", "false"))
+    context = SparkContext.getOrCreate(conf)
+    context.setLogLevel("ERROR")
+    yield context
+    context.stop()
+    if before is None:
+        os.environ.pop("PYSPARK_PYTHON", None)
+    else:
+        os.environ["PYSPARK_PYTHON"] = before
+
+
 def kill_at_round(client, round_no):
     """A fit callback that SIGKILLs one worker process when ``round_no`` completes.
 

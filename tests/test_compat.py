@@ -34,33 +34,6 @@ N_TRAIN = 1438  # dlspark.datasets.digits()'s training examples
 
 # -- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def sc(tmp_path_factory):
-    """One SparkContext for the module: local[2], a 1 MiB cap on what reaches the driver."""
-    pytest.importorskip("pyspark")
-    from pyspark import SparkConf, SparkContext
-
-    before = os.environ.get("PYSPARK_PYTHON")
-    os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python: this one, with dlspark installed
-    conf = (SparkConf().setMaster("local[2]").setAppName("dlspark-compat-tests")
-            .set("spark.driver.maxResultSize", "1m")
-            .set("spark.ui.enabled", "false")
-            # the executors unpickle the tests' model class (conftest.MLP) and helpers
-            .set("spark.executorEnv.PYTHONPATH", str(ROOT / "tests"))
-            # each executor process compiles every network it meets; share the compiled code on disk
-            .set("spark.executorEnv.JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax-cache")))
-            .set("spark.executorEnv.JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-            .set("spark.ui.showConsoleProgress", "false"))
-    context = SparkContext.getOrCreate(conf)
-    context.setLogLevel("ERROR")
-    yield context
-    context.stop()
-    if before is None:
-        os.environ.pop("PYSPARK_PYTHON", None)
-    else:
-        os.environ["PYSPARK_PYTHON"] = before
-
-
-@pytest.fixture(scope="module")
 def cluster(client2):
     """The module's 2-worker LocalCluster, the one dlspark.compat trains on."""
     dlspark.compat.configure(client=client2)
