@@ -7,6 +7,7 @@ __all__ = [
     "NonFiniteLossError",
     "JobFailedError",
     "VersionMismatchError",
+    "ExecutorEnvironmentError",
 ]
 
 
@@ -80,3 +81,9 @@ class VersionMismatchError(DlsparkError, RuntimeError):
 
     def __str__(self):
         return self.args[0]
+
+
+class ExecutorEnvironmentError(DlsparkError, RuntimeError):
+    """The Spark executors' Python cannot run dlspark (it is not installed there, or another
+    version is). The message names the executors' Python, ``PYSPARK_PYTHON`` and the driver's
+    ``sys.executable``, and what to set."""

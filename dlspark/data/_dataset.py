@@ -58,6 +58,27 @@ class _Base:
         """Number of examples (the length of the leading axis)."""
         return len(self)
 
+    # DL4J's accessor names, so that programs ported with dlspark.compat run as written
+    def numExamples(self) -> int:
+        """DL4J's ``numExamples()``: :attr:`num_examples`."""
+        return len(self)
+
+    def getFeatures(self, index=None):
+        """DL4J's ``getFeatures()`` (a MultiDataSet's tuple, or ``getFeatures(i)`` its i-th array)."""
+        return self.features if index is None else self._f[index]
+
+    def getLabels(self, index=None):
+        """DL4J's ``getLabels()`` (a MultiDataSet's tuple, or ``getLabels(i)`` its i-th array)."""
+        return self.labels if index is None else self._l[index]
+
+    def getFeaturesMaskArray(self, index=0):
+        """DL4J's ``getFeaturesMaskArray()``: the (first) features mask, or None."""
+        return self._fm[index]
+
+    def getLabelsMaskArray(self, index=0):
+        """DL4J's ``getLabelsMaskArray()``: the (first) labels mask, or None."""
+        return self._lm[index]
+
     def _take(self, index):
         pick = lambda arrs: tuple(None if a is None else a[index] for a in arrs)  # noqa: E731
         # slices of arrays this data set already checked: nothing to check again (a local
