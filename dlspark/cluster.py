@@ -20,6 +20,8 @@ WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
+    # Keras reads its backend once, at import: Model.from_keras models run on JAX
+    "KERAS_BACKEND": "jax",
 }
 
 #: Dask settings the nanny hands to each worker process. The statistical

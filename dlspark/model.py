@@ -1,4 +1,4 @@
-"""Model: a pair of pure ``init``/``apply`` functions, and the Flax adapter."""
+"""Model: a pair of pure ``init``/``apply`` functions, and the adapters of flax (linen, nnx), Equinox and Keras."""
 
 from __future__ import annotations
 
@@ -96,6 +96,107 @@ class Model:
             uses_features_mask=has_mask,
             name=type(module).__name__,
         )
+
+    @classmethod
+    def from_nnx(cls, module_or_factory, example_input):
+        """Adapt a ``flax.nnx`` module, or a factory ``rngs -> module``.
+
+        A factory is called with ``nnx.Rngs`` seeded from the network's seed, so
+        that ``Network(..., seed=...)`` decides the initial parameters; a module
+        brings its own. ``module(inputs)`` is called in training mode during fit
+        and in inference mode otherwise (``nnx.view`` with ``deterministic`` and
+        ``use_running_average``, as ``module.train()`` and ``module.eval()`` set
+        them); a tuple of inputs is passed as one argument, a tuple or list of
+        outputs is a multi-output model, and a ``mask`` parameter of
+        ``__call__`` receives the features mask. ``nnx.Param`` variables are the
+        parameters, every other variable but the RNG state (``nnx.BatchStat``
+        and the like) is non-trainable state, updated by training steps and
+        checkpointed. The module's RNG streams (``nnx.Rngs``: typed keys and
+        counts) are drawn afresh from dlspark's key on every step, different on
+        every worker, and are never averaged or stored.
+
+        Examples
+        --------
+        >>> from flax import nnx
+        >>> import numpy as np
+        >>> m = Model.from_nnx(lambda rngs: nnx.Linear(4, 3, rngs=rngs), np.zeros((1, 4), np.float32))
+        """
+        from ._model_adapters import NnxAdapter
+
+        adapter = NnxAdapter(module_or_factory)
+        adapter._defs()  # the factory's errors here, not in the first step
+        return cls(adapter.init, adapter.apply, example_input, uses_features_mask=adapter.has_mask,
+                   name=type(adapter.module).__name__ if adapter.module is not None
+                   else getattr(module_or_factory, "__name__", "nnx"))
+
+    @classmethod
+    def from_equinox(cls, module, example_input, *, state=None, batched=False):
+        """Adapt an Equinox module.
+
+        Parameters
+        ----------
+        module : equinox.Module
+            Its floating-point arrays are the parameters. Equinox modules take
+            one example: the module is ``jax.vmap``-ed over the batch with the
+            axis name ``"batch"`` (the one ``eqx.nn.BatchNorm(axis_name="batch")``
+            takes), unless ``batched``. If ``__call__`` has a ``key`` parameter
+            it receives a key per example during fit (dropout) and ``None`` in
+            inference; a ``mask`` parameter receives the features mask.
+            Inference runs ``eqx.nn.inference_mode(module)``.
+        example_input : array or tuple of arrays
+            A batch of inputs.
+        state : equinox.nn.State, optional
+            From ``eqx.nn.make_with_state``: the module is then called as
+            ``module(x, state, key=...) -> (outputs, state)``, and the state is
+            carried and checkpointed as a network's non-trainable state.
+        batched : bool
+            The module takes whole batches itself (no ``vmap``; ``key`` is the
+            step's key).
+
+        Examples
+        --------
+        >>> import equinox as eqx, jax, numpy as np
+        >>> m = Model.from_equinox(eqx.nn.Linear(4, 3, key=jax.random.PRNGKey(0)), np.zeros((1, 4), np.float32))
+        """
+        from ._model_adapters import EquinoxAdapter
+
+        adapter = EquinoxAdapter(module, state=state, batched=batched)
+        return cls(adapter.init, adapter.apply, example_input, uses_features_mask=adapter.has_mask,
+                   name=type(module).__name__)
+
+    @classmethod
+    def from_keras(cls, model, example_input=None):
+        """Adapt a built Keras 3 model running on Keras' JAX backend, through its stateless API.
+
+        The trainable variables are the parameters, the non-trainable ones
+        (``BatchNormalization``'s moving statistics) the network's state; the
+        dropout layers' seed generators are drawn afresh from dlspark's key on
+        every step, different on every worker, and are never averaged or stored.
+        Several inputs are a tuple of arrays, several outputs a tuple. The
+        initial parameters are the model's own (the network's seed does not
+        redraw them). Keras must run on JAX: ``KERAS_BACKEND=jax`` before
+        Keras is first imported (dlspark's workers are given it; see
+        :func:`dlspark.cluster.worker_env`).
+
+        Parameters
+        ----------
+        model : keras.Model
+            Built: started from ``keras.Input``, or called once.
+        example_input : array or tuple of arrays, optional
+            Defaults to zeros of the model's declared input shapes.
+
+        Examples
+        --------
+        >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")  # doctest: +SKIP
+        >>> import keras  # doctest: +SKIP
+        >>> m = Model.from_keras(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))  # doctest: +SKIP
+        """
+        from ._model_keras import KerasAdapter
+
+        adapter = KerasAdapter(model)
+        if example_input is None:
+            example_input = adapter.example_input()
+        return cls(adapter.init, adapter.apply, example_input, name=getattr(model, "name", None) or "keras")
 
     # The methods below are what Network uses; they normalise the user's
     # functions to (params, state) and (outputs, new_state).
