@@ -265,5 +265,51 @@ def generate():
         _write(os.path.join(gen, f"bench-{name}.md"), benchmark_tables(path))
 
 
+def _resolve(dotted):
+    """The object a dotted path names, importing the longest module prefix."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def public_name(dotted):
+    """The public name of what a private path (``dlspark.data._dataset.DataSet``) names, or None.
+
+    Autodoc writes a class's bases and nested classes by where they are defined; the pages
+    document them where they are exported.
+    """
+    parts = dotted.split(".")
+    for i in range(len(parts), 1, -1):
+        obj = _resolve(".".join(parts[:i]))
+        if obj is None or isinstance(obj, (str, int, float, tuple, dict, list, frozenset)):
+            continue
+        where = _canonical(obj)
+        if where is not None:
+            return ".".join([*where] + parts[i:])
+    return None
+
+
+def _missing_reference(app, env, node, contnode):
+    target = node.get("reftarget", "")
+    if node.get("refdomain") != "py" or not target.startswith("dlspark."):
+        return None
+    public = public_name(target)
+    if public is None or public == target:
+        return None
+    domain = env.get_domain("py")
+    return domain.resolve_xref(env, node.get("refdoc"), app.builder, node["reftype"], public, node, contnode)
+
+
 def setup(app):
+    app.connect("missing-reference", _missing_reference)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
