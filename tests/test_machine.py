@@ -17,8 +17,9 @@ from dlspark.algorithms.averaging._messages import AverageOrder, AverageReply, A
 from dlspark.algorithms.sharing._driver import sync_plan
 from dlspark.algorithms.sharing._messages import HaveOrder, HaveReply, NextRoundOrder, ShareWith, SyncOrder, SyncReply
 from dlspark.distributed._machine import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish,
-                                          GraceOver, Join, Joined, JoinFailed, JobMachine, Probe, Probed, Replied,
-                                          Send, Settings, Start, Timer, WorkerJoined, WorkerLost)
+                                          GraceOver, InvalidState, Join, Joined, JoinFailed, JobMachine, Probe, Probed,
+                                          Replied, Send, Settings, Start, StateMachineEvent, Timer, WorkerJoined,
+                                          WorkerLost)
 from dlspark.distributed._messages import (Ack, CheckpointOrder, ErrorReply, FitOrder, FitReply, JobOptions,
                                            RngOrder, RngReply)
 
@@ -46,6 +47,7 @@ class Player:
 
     def feed(self, event, now=0.0):
         out = self.machine.handle(event, now)
+        self.machine.validate_state()  # the machine's invariants hold after every event
         if isinstance(event, Joined) and any(isinstance(i, Emit) and i.msg["event"] == "joined" for i in out):
             self.alive.add(event.worker)
         for i in out:
@@ -521,3 +523,42 @@ def test_a_job_that_is_over_issues_nothing(how):
         assert p.machine.handle(event) == []
     for send in list(p.inflight.values()):
         assert p.answer(send) == []
+
+
+# -- typed events, their stimulus ids, the invariants ---------------------------------------
+def test_events_are_typed_carry_a_stimulus_id_and_are_logged_with_what_they_gave():
+    p = Player()
+    start = Start(stimulus_id="job-started")
+    out = p.feed(start)
+    assert all(isinstance(e, StateMachineEvent) for e in (start, WorkerLost("a"), GraceOver(1)))
+    lost, again = WorkerLost("a"), WorkerLost("a")
+    assert lost.stimulus_id != again.stimulus_id and lost == again  # the id names the stimulus, not the fact
+    assert p.machine.log[0] == ("job-started", "Start", tuple(type(i).__name__ for i in out))
+    assert {type(i).__name__ for i in out} == {"Send"}
+    p.feed(lost)
+    assert p.machine.log[-1][:2] == (lost.stimulus_id, "WorkerLost")
+
+
+def test_an_event_of_no_known_kind_is_refused_by_name():
+    p = Player()
+    with pytest.raises(TypeError, match="event must be a StateMachineEvent .* got str"):
+        p.machine.handle("start")
+
+    class Unknown(StateMachineEvent):
+        pass
+
+    with pytest.raises(TypeError, match="no handler for Unknown; it takes .*Replied.*WorkerLost"):
+        p.machine.handle(Unknown())
+
+
+def test_validate_state_names_a_broken_invariant():
+    p = Player()
+    p.feed(Start())
+    p.machine.validate_state()
+    p.machine.live.discard("b")  # as if "b" were dropped while an order to it is still awaited
+    with pytest.raises(InvalidState, match=r"orders awaited from workers \['b'\] that are not live"):
+        p.machine.validate_state()
+    p.machine.live.add("b")
+    p.machine.arrived.add("a")
+    with pytest.raises(InvalidState, match=r"arrived workers \['a'\] are already live"):
+        p.machine.validate_state()

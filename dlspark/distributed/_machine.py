@@ -33,151 +33,27 @@ The rules
 
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass, field
 
 from ..errors import JobFailedError
-from ._messages import CheckpointOrder, ErrorReply, FitReply, JobOptions, JobResult, Order, Reply, RngOrder
+from ._events import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish, GraceOver, Join, Joined,
+                      JoinFailed, Probe, Probed, Replied, Send, Start, StateMachineEvent, Timer, WorkerJoined,
+                      WorkerLost)
+from ._messages import CheckpointOrder, ErrorReply, FitReply, JobOptions, JobResult, RngOrder
 from ._plan import Coordinator, RoundPlan
 
-__all__ = ["JobMachine", "RoundDone", "Settings",
+__all__ = ["JobMachine", "RoundDone", "Settings", "InvalidState",
            # events
-           "Start", "Replied", "Failed", "WorkerLost", "WorkerJoined", "Joined", "JoinFailed", "Probed",
+           "StateMachineEvent", "Start", "Replied", "Failed", "WorkerLost", "WorkerJoined", "Joined", "JoinFailed", "Probed",
            "ClientLost", "ClientBack", "GraceOver", "Cancel",
            # instructions
            "Send", "Probe", "Join", "Emit", "Timer", "Finish", "Fail", "Abandon"]
 
 
-# -- events ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class Start:
-    """The job's workers are set up: plan the first round."""
-
-
-@dataclass(frozen=True)
-class Replied:
-    """``worker`` answered the order sent as ``seq``."""
-
-    worker: str
-    seq: int
-    reply: Reply
-
-
-@dataclass(frozen=True)
-class Failed:
-    """``worker``'s handler raised (the envelope holds the error): the job fails with it."""
-
-    worker: str
-    seq: int
-    error: ErrorReply
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    worker: str
-
-
-@dataclass(frozen=True)
-class WorkerJoined:
-    worker: str
-
-
-@dataclass(frozen=True)
-class Joined:
-    worker: str
-
-
-@dataclass(frozen=True)
-class JoinFailed:
-    worker: str
-    error: str
-
-
-@dataclass(frozen=True)
-class Probed:
-    """Whether the coordinator itself reached ``worker``."""
-
-    worker: str
-    alive: bool
-
-
-@dataclass(frozen=True)
-class ClientLost:
-    pass
-
-
-@dataclass(frozen=True)
-class ClientBack:
-    pass
-
-
-@dataclass(frozen=True)
-class GraceOver:
-    """The grace period started by the ``absence``-th ``ClientLost`` is over."""
-
-    absence: int = 0
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """The client is done with the job (or it was abandoned): stop issuing anything."""
-
-
-# -- instructions -----------------------------------------------------------------
-@dataclass(frozen=True)
-class Send:
-    """Send ``order`` to ``worker``; its answer comes back as ``Replied``/``Failed`` with ``seq``,
-    or as ``WorkerLost``."""
-
-    worker: str
-    seq: int
-    order: Order
-
-
-@dataclass(frozen=True)
-class Probe:
-    worker: str
-
-
-@dataclass(frozen=True)
-class Join:
-    """Set the job up on ``worker`` from ``source``'s state, as rank ``rank``, after ``delay`` s."""
-
-    worker: str
-    source: str
-    rank: int
-    delay: float = 0.0
-
-
-@dataclass(frozen=True)
-class Emit:
-    """A message for the client's event topic (round statistics, joins, checkpoints)."""
-
-    msg: dict
-
-
-@dataclass(frozen=True)
-class Timer:
-    """Feed ``event`` back after ``seconds``."""
-
-    seconds: float
-    event: object
-
-
-@dataclass(frozen=True)
-class Finish:
-    result: JobResult
-
-
-@dataclass(frozen=True)
-class Fail:
-    error: ErrorReply
-
-
-@dataclass(frozen=True)
-class Abandon:
-    """Stop the job and tear it down everywhere (its client is gone)."""
-
-    reason: str
+class InvalidState(AssertionError):
+    """:meth:`JobMachine.validate_state` found a broken invariant (a defect in the machine)."""
 
 
 @dataclass(frozen=True)
@@ -246,28 +122,79 @@ class JobMachine:
         self.client_present = True
         self.absences = 0
         self.over = False
+        #: ``(stimulus_id, event kind, instruction kinds)`` of the latest events handled
+        self.log: collections.deque = collections.deque(maxlen=1000)
 
     # -- the one entry point ------------------------------------------------------
-    def handle(self, event, now: float = 0.0) -> list:
-        """Take ``event``; return the instructions it calls for (possibly none)."""
+    def handle(self, event: StateMachineEvent, now: float = 0.0) -> list:
+        """Take ``event``; return the instructions it calls for (possibly none).
+
+        The event is dispatched by its type; each handled event's ``stimulus_id`` is
+        recorded in :attr:`log` with the kinds of the instructions it gave.
+        """
+        if not isinstance(event, StateMachineEvent):
+            raise TypeError(f"event must be a StateMachineEvent (Start, Replied, WorkerLost, ...), "
+                            f"got {type(event).__name__}")
         if self.over:
             return []
         self.now = now
         try:
-            return getattr(self, f"_on_{type(event).__name__}")(event)
+            out = self._handle_event(event)
         except JobFailedError as e:
-            return self._fail(e)
+            out = self._fail(e)
+        self.log.append((event.stimulus_id, type(event).__name__, tuple(type(i).__name__ for i in out)))
+        return out
+
+    @functools.singledispatchmethod
+    def _handle_event(self, event):
+        raise TypeError(f"JobMachine has no handler for {type(event).__name__}; it takes "
+                        f"{', '.join(sorted(c.__name__ for c in _HANDLED.registry if c is not object))}")
+
+    # -- invariants -----------------------------------------------------------------
+    def validate_state(self) -> None:
+        """Check the machine's invariants; raise :class:`InvalidState` naming the first broken one.
+
+        Cheap enough to run after every event in tests (the test player does).
+        """
+        def check(ok, what):
+            if not ok:
+                raise InvalidState(f"job {self.job}: {what}")
+
+        live = self.live
+        check(not (self.arrived & live), f"arrived workers {sorted(self.arrived & live)} are already live")
+        check(not (set(self.joining) & live), f"joining workers {sorted(set(self.joining) & live)} are already live")
+        check(not (self.arrived & set(self.joining)), "a worker both arrived and joining")
+        check(all(rank < self.next_rank for _, rank in self.joining.values()), "a joining rank not below next_rank")
+        check(self.probing <= live, f"probing workers {sorted(self.probing - live)} that are not live")
+        b = self.batch
+        if b is not None:
+            check(b.phase in ("round", "rngs", "write"), f"a batch in unknown phase {b.phase!r}")
+            check(set(b.waiting.values()) <= live,
+                  f"orders awaited from workers {sorted(set(b.waiting.values()) - live)} that are not live")
+            check(set(b.replies) <= live, f"replies kept from workers {sorted(set(b.replies) - live)} not live")
+            check(all(0 < seq <= self.seq for seq in b.waiting), "an awaited order with a sequence number never sent")
+            check(not (self.probing and b.waiting), "probing while orders are still awaited")
+            check(b.phase != "round" or self.plan is not None, "a round in flight without a plan")
+        else:
+            check(not self.probing, "probing with no batch in flight")
+        check(set(self.writers) <= set(self.rngs), "a checkpoint writer whose RNG was not gathered")
+        rounds = [st["round"] for st in self.stats]
+        check(rounds == sorted(set(rounds)), f"round statistics out of order or repeated: {rounds}")
+        check(0 <= self.attempt, f"attempt {self.attempt} below 0")
 
     # -- membership -----------------------------------------------------------------
-    def _on_Start(self, event):
+    @_handle_event.register
+    def _on_Start(self, event: Start):
         return self._between_rounds()
 
-    def _on_WorkerJoined(self, event):
+    @_handle_event.register
+    def _on_WorkerJoined(self, event: WorkerJoined):
         if event.worker not in self.live:
             self.arrived.add(event.worker)
         return []
 
-    def _on_WorkerLost(self, event):
+    @_handle_event.register
+    def _on_WorkerLost(self, event: WorkerLost):
         w = event.worker
         self.arrived.discard(w)
         if w in self.joining:
@@ -290,7 +217,8 @@ class JobMachine:
                 out += self._batch_complete()
         return out
 
-    def _on_Joined(self, event):
+    @_handle_event.register
+    def _on_Joined(self, event: Joined):
         if event.worker not in self.joining:
             return []
         del self.joining[event.worker]
@@ -300,7 +228,8 @@ class JobMachine:
             out += self._between_rounds()
         return out
 
-    def _on_JoinFailed(self, event):
+    @_handle_event.register
+    def _on_JoinFailed(self, event: JoinFailed):
         w = event.worker
         if w not in self.joining:
             return []
@@ -319,22 +248,26 @@ class JobMachine:
         return self.next_rank - 1
 
     # -- the client -----------------------------------------------------------------
-    def _on_ClientLost(self, event):
+    @_handle_event.register
+    def _on_ClientLost(self, event: ClientLost):
         self.client_present = False
         self.absences += 1
         return [Timer(self.settings.client_grace, GraceOver(self.absences))]
 
-    def _on_ClientBack(self, event):
+    @_handle_event.register
+    def _on_ClientBack(self, event: ClientBack):
         self.client_present = True
         return []
 
-    def _on_GraceOver(self, event):
+    @_handle_event.register
+    def _on_GraceOver(self, event: GraceOver):
         if self.client_present or event.absence != self.absences:
             return []  # back meanwhile, or the timer of an earlier absence
         self.over = True
         return [Abandon(f"job {self.job}: its client is gone (for more than {self.settings.client_grace:g} s)")]
 
-    def _on_Cancel(self, event):
+    @_handle_event.register
+    def _on_Cancel(self, event: Cancel):
         self.over = True
         return []
 
@@ -372,7 +305,8 @@ class JobMachine:
             return self._batch_complete()
         return out
 
-    def _on_Replied(self, event):
+    @_handle_event.register
+    def _on_Replied(self, event: Replied):
         b = self.batch
         if b is None or b.waiting.get(event.seq) != event.worker:
             return []  # a late answer to a batch already settled
@@ -382,7 +316,8 @@ class JobMachine:
             return []
         return self._batch_complete()
 
-    def _on_Failed(self, event):
+    @_handle_event.register
+    def _on_Failed(self, event: Failed):
         b = self.batch
         if b is None or b.waiting.get(event.seq) != event.worker:
             return []
@@ -400,7 +335,8 @@ class JobMachine:
             return [Probe(p) for p in sorted(named)]
         return self._advance()
 
-    def _on_Probed(self, event):
+    @_handle_event.register
+    def _on_Probed(self, event: Probed):
         if event.worker not in self.probing:
             return []
         self.probing.discard(event.worker)
@@ -481,3 +417,6 @@ class JobMachine:
     def _fail(self, e):
         self.over = True
         return [Fail(ErrorReply.from_exception(e))]
+
+
+_HANDLED = JobMachine.__dict__["_handle_event"].dispatcher
