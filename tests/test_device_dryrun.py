@@ -1,0 +1,107 @@
+"""The device run (``benchmarks/device/run.py``) as a dry run on this machine's CPU: the same
+script the GPU host runs, so that it cannot rot between the rare runs there."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join(ROOT, "benchmarks", "device", "run.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "device"))
+
+from fetch_wheels import LOCK, check_wheels, read_lock  # noqa: E402
+
+#: the only skips a dry run may record: the network benchmark's, where this machine lacks what it needs
+NETWORK_SKIPS = ("benchmarks/bench_network.py is not in this tree", "network namespaces do not work here")
+
+
+def _problems(tree, where=""):
+    """Every piece of a section's result that recorded an error or a skip, by its place."""
+    if isinstance(tree, dict):
+        found = [f"{where}: {tree.get('error') or tree.get('skipped')}"] if ("error" in tree or "skipped" in tree) else []
+        return found + [p for k, v in tree.items() for p in _problems(v, f"{where}.{k}")]
+    if isinstance(tree, list):
+        return [p for i, v in enumerate(tree) for p in _problems(v, f"{where}[{i}]")]
+    return []
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("device")
+    proc = subprocess.run([sys.executable, RUN, "--out", str(out), "--dry-run"], capture_output=True, text=True,
+                          timeout=690, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "device.log").exists()
+    return json.loads((out / "device.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_the_dry_run_runs_every_section_but_the_gpu_readings(report):
+    assert report["schema"] == 1 and report["dry_run"] is True and report["finished"]
+    assert report["install"]["versions"]["dask"] and "nothing" in report["install"]["done"]
+    assert list(report["sections"]) == ["gpu_cluster", "gpu_parallel", "many_core", "network"]
+    for name in ("gpu_cluster", "gpu_parallel", "many_core"):
+        section = report["sections"][name]
+        assert section["status"] == "ok", (name, section.get("log_tail"))
+        assert section["result"]["done"] is True
+        assert _problems(section["result"]) == [], name
+
+    gpu = report["sections"]["gpu_cluster"]["result"]
+    assert gpu["platform"] == "cpu" and gpu["client_backend"] == "cpu"
+    assert gpu["nvidia_smi"] == {"unavailable": "nvidia-smi is not on the PATH"}  # the GPU-only reading
+    assert gpu["digits"]["test_accuracy"] > 0.5
+    (worker,) = gpu["worker_vs_plain"]
+    assert worker["algorithm"] == "averaging" and worker["job_steps_per_s"] > 0 and worker["plain_steps_per_s"] > 0
+    assert worker["efficiency"] > 0 and isinstance(worker["meets_target"], bool)
+    off, preallocated = gpu["memory"]["preallocate_off"], gpu["memory"]["fraction_30_preallocated"]
+    assert off["worker"]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert off["worker"]["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None
+    assert preallocated["worker"]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    assert preallocated["worker"]["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3"
+    assert off["worker"]["platform"] == "cpu" and off["worker"]["pid"] != preallocated["worker"]["pid"]
+
+    wrapper = report["sections"]["gpu_parallel"]["result"]
+    assert wrapper["platform"] == "cpu" and wrapper["auto_encoder"]["encoder"] == "host"
+    (sharing,) = wrapper["sharing"]
+    assert sharing["host"]["encoder"] == "host" and sharing["xla"]["encoder"] == "xla"
+    assert sharing["host"]["steps_per_s"] > 0 and sharing["xla"]["steps_per_s"] > 0 and sharing["plain"]["steps_per_s"] > 0
+    assert sharing["bits"]["params_equal"] is True and sharing["bits"]["max_abs_difference"] == 0.0
+    assert sharing["bits"]["communication_equal"] and sharing["bits"]["thresholds_equal"]
+
+    cores = report["sections"]["many_core"]["result"]
+    runs = cores["runs"]
+    assert [(r["algorithm"], r["network"]) for r in runs] == [("averaging", "mlp"), ("sharing", "cnn")]
+    for r in runs:
+        assert r["workers"] == 2 and r["worker_cores"] == cores["cores"][:2] and r["client_cores"]
+        assert r["efficiency"] > 0 and r["cluster_bound"] > 0 and r["plain_step_ms"] > 0
+    assert [s["efficiency"]["n"] for s in cores["summary"]] == [1, 1]
+
+    network = report["sections"]["network"]
+    assert isinstance(network["result"]["namespaces"]["ok"], bool)
+    if network["status"] == "skipped":
+        assert network["result"]["skipped"].startswith(NETWORK_SKIPS)
+    else:
+        assert network["status"] == "ok" and _problems(network["result"]) == []
+
+
+def test_the_lock_pins_dask_and_distributed_with_hashes():
+    pins = read_lock(LOCK)
+    assert {"dask", "distributed", "tornado", "zict", "tblib", "partd", "locket"} <= set(pins)
+    assert pins["dask"][0] == pins["distributed"][0]  # distributed pins its own dask release
+    assert all(len(hashes) >= 1 and all(len(h) == 64 for h in hashes) for _, hashes in pins.values())
+
+
+def test_a_wheel_whose_hash_the_lock_does_not_list_is_refused(tmp_path):
+    lock = tmp_path / "wheels.lock"
+    lock.write_text("toolz==1.2.0 \\\n    --hash=sha256:" + "0" * 64 + "\n")
+    (tmp_path / "toolz-1.2.0-py3-none-any.whl").write_bytes(b"not the locked wheel")
+    with pytest.raises(ValueError, match=r"toolz-1.2.0-py3-none-any.whl has sha256 [0-9a-f]{64}, which wheels.lock "
+                                         r"does not list for toolz"):
+        check_wheels(str(tmp_path), str(lock))
+    (tmp_path / "toolz-1.2.0-py3-none-any.whl").unlink()
+    with pytest.raises(ValueError, match=r"no wheel of toolz==1.2.0 in .*fetch_wheels.py"):
+        check_wheels(str(tmp_path), str(lock))
