@@ -13,6 +13,7 @@ from .algorithms import (AdaptiveThreshold, FixedThreshold, GradientSharing, NoR
 from .network import Network, TrainState
 from .trainer import DistributedTrainer
 from .parallel import ParallelWrapper
+from . import spark  # noqa: F401  (registers the pyspark RDD source; it imports no pyspark)
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,6 @@ from ._dataset import DataSet, MultiDataSet, as_dataset
 from ._files import list_minibatches, load_minibatch, save_dataset, save_minibatches
 from ._sources import (Minibatches, Source, SourceContext, evaluation_parts, fit_minibatches, load_ref,
                        path_minibatches, register_source, unregister_source)
-from . import _spark  # noqa: F401  (registers the pyspark RDD source; it imports no pyspark)
 
 __all__ = [
     "DataSet",

@@ -207,7 +207,7 @@ def live_document(page, doc):
     from bokeh.models import ColumnDataSource, Div
     from bokeh.plotting import figure
 
-    from ._live import _PHASE_COLUMNS, round_table, worker_rates
+    from ._rounds import _PHASE_COLUMNS, round_table, worker_rates
 
     rounds_src = ColumnDataSource(round_table([]), name="rounds_data")
     rates_src = ColumnDataSource(worker_rates([]), name="rates_data")
