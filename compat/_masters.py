@@ -3,8 +3,10 @@
 ``ParameterAveragingTrainingMaster.Builder(n).batchSizePerWorker(32).build()``
 holds a :class:`dlspark.ParameterAveraging`; ``SharedTrainingMaster`` holds a
 :class:`dlspark.GradientSharing`. Every default is DL4J's, written out here.
-Settings that only mattered to DL4J's JVM or Aeron transport are accepted and
-recorded (see each method).
+Every setting does what DL4J's does, or the closest thing on Dask (see each
+method): ``workersPerNode`` picks that many workers per machine, ``rngSeed``
+seeds the order in which the minibatches are dealt to the workers, and
+``workerTogglePeriodicGC`` runs Python's collector on the Dask workers.
 """
 
 from __future__ import annotations
@@ -77,7 +79,12 @@ class TrainingMaster:
     storage_level : pyspark StorageLevel, str or None
         Persistence of an RDD of DataSets trained with ``Direct`` (read twice: sized, then collected).
     rng_seed : int or None
-        Recorded: rounds are planned deterministically, so DL4J's random splits have no counterpart.
+        Seeds the order in which each epoch's minibatches are dealt to the workers (DL4J's
+        random splits of the data); None keeps the data's order.
+    workers_per_node : int or None
+        Training workers each machine contributes (None: every Dask worker).
+    periodic_gc_ms : int or None
+        Period of a ``gc.collect()`` on every Dask worker during training (None: none).
     """
 
     def __init__(self, algorithm, *, rdd_data_set_num_examples, storage_level, rng_seed, settings):
@@ -88,6 +95,11 @@ class TrainingMaster:
         self.rng_seed = rng_seed
         #: every builder setting, by DL4J's name
         self.settings = dict(settings)
+        self.storage_level_streams = self.settings.get("storageLevelStreams")
+        n = self.settings.get("workersPerNode", -1)
+        self.workers_per_node = None if n is None or n < 1 else n
+        self.periodic_gc_ms = (self.settings.get("workerPeriodicGCFrequency")
+                               if self.settings.get("workerTogglePeriodicGC") else None)
         self._export_dirs: list = []
         # local temporary exports go with the master (or the process) if deleteTempFiles was not called
         self._local_dirs: list = []
@@ -220,8 +232,10 @@ class _MasterBuilder(Builder):
         return self._set("collectTrainingStats", _bool("collectTrainingStats", collect))
 
     def rngSeed(self, seed: int):
-        """Recorded. DL4J seeds its random RDD splits with it; dlspark plans rounds without
-        randomness (the network's own seed drives initialisation and dropout)."""
+        """Seed of the order in which each epoch's minibatches are dealt to the workers (DL4J
+        seeds its random splits of the RDD with it): the same seed deals the same way, epoch
+        by epoch. Unset, the data's order is kept. The network's own seed drives its
+        initialisation and dropout."""
         return self._set("rngSeed", _int("rngSeed", seed, minimum=0))
 
     def _common(self):
@@ -270,8 +284,9 @@ class _ParameterAveragingBuilder(_MasterBuilder):
         return self._set("saveUpdater", _bool("saveUpdater", save))
 
     def storageLevelStreams(self, level):
-        """Recorded: DL4J persists a ``fitPaths`` RDD at this level; here its path strings
-        are collected once, so it is not persisted."""
+        """Persistence of an RDD of paths given to ``fitPaths`` (default ``MEMORY_ONLY``; None:
+        none): persisted, its path strings are collected once and reused by later epochs,
+        as DL4J persists it to read it once."""
         return self._set("storageLevelStreams", _storage_level("storageLevelStreams", level))
 
     def build(self) -> "ParameterAveragingTrainingMaster":
@@ -310,7 +325,7 @@ class _SharedBuilder(_MasterBuilder):
     post-processor ``ResidualClippingPostProcessor(5, 5)``, ``workersPerNode``
     -1 (one worker per device), ``workerPrefetchNumBatches`` 2, Export,
     ``repartitionData`` Always, ``repartitionStrategy`` Balanced,
-    ``workerTogglePeriodicGC`` True every 5000 ms (recorded),
+    ``workerTogglePeriodicGC`` True every 5000 ms,
     ``encodingDebugMode`` False. ``batchSizePerWorker``: DL4J leaves it unset,
     training on the RDD's DataSets as they come, so it defaults to
     ``rddDataSetNumExamples`` (16 when that is not given either).
@@ -344,9 +359,12 @@ class _SharedBuilder(_MasterBuilder):
                         "collectTrainingStats": False, "rngSeed": None, "meshBuildMode": None}
 
     def workersPerNode(self, n: int):
-        """Training workers per machine; below 1 means one per device, DL4J's -1. Dask decides
-        how many workers a machine runs (``dlspark.cluster.local_cluster``: one per GPU or core)."""
-        return self._set("workersPerNode", -1 if n < 1 else _int("workersPerNode", n))
+        """Training workers each machine contributes: ``n`` of the Dask workers on every host
+        train (a fit on a cluster with fewer on some host is refused, naming it); below 1,
+        DL4J's -1, every worker (one per device with ``dlspark.cluster.local_cluster``)."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"workersPerNode must be an int, got {n!r}")
+        return self._set("workersPerNode", -1 if n < 1 else n)
 
     def thresholdAlgorithm(self, algorithm):
         """``AdaptiveThresholdAlgorithm(t)`` (default, t = 1e-3), ``FixedThresholdAlgorithm(t)`` or
@@ -377,12 +395,13 @@ class _SharedBuilder(_MasterBuilder):
         return self._set("meshBuildMode", as_enum(MeshBuildMode, mode, "meshBuildMode"))
 
     def workerTogglePeriodicGC(self, enabled: bool):
-        """Recorded: DL4J's periodic JVM garbage collection on workers; Python's collector on
-        the Dask workers is left as it is."""
+        """Run a full collection of Python's garbage collector (``gc.collect()``) on every Dask
+        worker every ``workerPeriodicGCFrequency`` ms while this master trains, as DL4J runs the
+        JVM's (default True); False leaves the collector to itself."""
         return self._set("workerTogglePeriodicGC", _bool("workerTogglePeriodicGC", enabled))
 
     def workerPeriodicGCFrequency(self, ms: int):
-        """Recorded: the period of DL4J's worker garbage collection, in milliseconds."""
+        """The period of the workers' garbage collection, in milliseconds (default 5000)."""
         return self._set("workerPeriodicGCFrequency", _int("workerPeriodicGCFrequency", ms))
 
     def build(self) -> "SharedTrainingMaster":

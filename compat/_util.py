@@ -1,15 +1,17 @@
-"""DL4J's helpers: SparkUtils (text files at any URL) and ModelSerializer (network files and streams)."""
+"""DL4J's helpers: SparkUtils (text files and listings at any URL), the export functions (an RDD of
+DataSets to minibatch files), ModelSerializer (network files and streams), StatsUtils."""
 
 from __future__ import annotations
 
 import uuid
 
 from dlspark import Network
-from dlspark.io import read_bytes, read_text, write_bytes, write_text
+from dlspark.io import read_bytes, read_text, url_join, write_bytes, write_text
 
 from ._names import with_snake_aliases
 
-__all__ = ["SparkUtils", "ModelSerializer"]
+__all__ = ["SparkUtils", "ModelSerializer", "StatsUtils", "DataSetExportFunction",
+           "BatchAndExportDataSetsFunction"]
 
 
 @with_snake_aliases
@@ -26,6 +28,100 @@ class SparkUtils:
     def readStringFromFile(path: str, sc=None) -> str:
         """Read the UTF-8 text at ``path``."""
         return read_text(path)
+
+    @staticmethod
+    def listPaths(sc, path: str, recursive: bool = False, allowedExtensions=None, storage_options=None):
+        """DL4J's ``listPaths(sc, path[, recursive[, allowedExtensions]])``: an RDD of the paths of
+        the files under the directory ``path`` (any fsspec URL), sorted, hidden files left out.
+
+        ``allowedExtensions`` keeps files with those extensions (``"npz"`` or ``".npz"``).
+        The listing runs on the driver, as DL4J's does; only names are read.
+        """
+        import fsspec
+
+        if not isinstance(path, str):
+            raise TypeError(f"listPaths takes a directory path or URL (str), got {type(path).__name__}")
+        fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        if not fs.isdir(root):
+            raise FileNotFoundError(f"listPaths: {path!r} is not a directory")
+        found = fs.find(root) if recursive else [p for p in fs.ls(root, detail=False) if fs.isfile(p)]
+        keep = None if allowedExtensions is None else {"." + e.lstrip(".") for e in allowedExtensions}
+        names = [p for p in found if not p.rsplit("/", 1)[-1].startswith(".")
+                 and (keep is None or ("." + p.rsplit(".", 1)[-1]) in keep)]
+        local = "://" not in path
+        urls = sorted(p if local else fs.unstrip_protocol(p) for p in names)
+        return sc.parallelize(urls, max(1, min(len(urls), sc.defaultParallelism)))
+
+
+def _checked(what, x):
+    from dlspark.data import DataSet, MultiDataSet
+
+    if not isinstance(x, (DataSet, MultiDataSet)):
+        raise TypeError(f"{what} takes an RDD of DataSets or MultiDataSets; found an element of type "
+                        f"{type(x).__name__}")
+    return x
+
+
+class DataSetExportFunction:
+    """DL4J's ``DataSetExportFunction(outputDir)``: ``rdd.foreachPartition(DataSetExportFunction(dir))``
+    writes every DataSet (or MultiDataSet) of the RDD as one minibatch file under ``dir``
+    (any URL every executor reaches), named ``dataset_<unique>_<n>.npz``; train from them
+    with ``fitPaths(SparkUtils.listPaths(sc, dir))``. Runs on the executors.
+    """
+
+    def __init__(self, outputDir: str, storage_options=None):
+        if not isinstance(outputDir, str):
+            raise TypeError(f"outputDir must be a directory URL (str), got {type(outputDir).__name__}")
+        self.output_dir = outputDir
+        self.storage_options = dict(storage_options or {})
+
+    def __call__(self, iterator):
+        from dlspark.data import save_dataset
+
+        prefix = uuid.uuid4().hex
+        for n, ds in enumerate(iterator):
+            save_dataset(_checked("DataSetExportFunction", ds),
+                         url_join(self.output_dir, f"dataset_{prefix}_{n}.npz"), **self.storage_options)
+
+
+class BatchAndExportDataSetsFunction:
+    """DL4J's ``BatchAndExportDataSetsFunction(minibatchSize, exportBaseDirectory)``:
+    ``rdd.mapPartitionsWithIndex(f)`` cuts each partition into minibatches of exactly
+    ``minibatchSize`` examples (the last may be smaller), merging small DataSets and
+    splitting big ones, writes them under the directory and yields their paths.
+    """
+
+    def __init__(self, minibatchSize: int, exportBaseDirectory: str, storage_options=None):
+        if isinstance(minibatchSize, bool) or not isinstance(minibatchSize, int) or minibatchSize < 1:
+            raise ValueError(f"minibatchSize must be an integer >= 1, got {minibatchSize!r}")
+        if not isinstance(exportBaseDirectory, str):
+            raise TypeError(f"exportBaseDirectory must be a directory URL (str), got "
+                            f"{type(exportBaseDirectory).__name__}")
+        self.minibatch_size, self.directory = minibatchSize, exportBaseDirectory
+        self.storage_options = dict(storage_options or {})
+
+    def __call__(self, index, iterator):
+        from dlspark.data import save_dataset
+
+        prefix, n, pending, held = uuid.uuid4().hex, 0, [], 0
+
+        def write(ds):
+            nonlocal n
+            url = url_join(self.directory, f"dataset_{index}_{prefix}_{n}.npz")
+            n += 1
+            return save_dataset(ds, url, **self.storage_options)
+
+        for ds in iterator:
+            pending.append(_checked("BatchAndExportDataSetsFunction", ds))
+            held += len(ds)
+            if held >= self.minibatch_size:
+                merged = type(ds).merge(pending)
+                full = held - held % self.minibatch_size
+                for b in merged[:full].batches(self.minibatch_size):
+                    yield write(b)
+                pending, held = ([merged[full:]] if full < held else []), held - full
+        if held:
+            yield write(type(pending[0]).merge(pending))
 
 
 def _scratch_url():

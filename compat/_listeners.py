@@ -1,0 +1,232 @@
+"""DL4J's training listeners over the core trainer's ``callbacks``.
+
+``sparkNet.setListeners(ScoreIterationListener(10))`` and the like: each
+listener is called on the driver as the rounds of a fit complete (the core
+trainer streams every round's record from the scheduler to the client's
+``callbacks``; nothing runs beside that mechanism). DL4J calls its listeners
+after every iteration on the workers; here one call covers a round, whose
+``iteration`` is the network's iteration count at the end of the round (it
+counts every minibatch any worker trained: a round of parameter averaging on
+``n`` workers adds ``n * averagingFrequency``) and whose ``model.score()`` is
+the round's mean loss over the workers.
+
+``StatsListener`` with a ``FileStatsStorage(path)`` writes the training
+statistics to ``path`` (any fsspec URL) after every round, as the JSON that
+``dlspark stats path`` and :meth:`dlspark.stats.TrainingStats.load_json` read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ._names import with_snake_aliases
+
+__all__ = ["TrainingListener", "BaseTrainingListener", "ScoreIterationListener", "PerformanceListener",
+           "StatsListener", "FileStatsStorage", "StatsStorageRouter", "ListenerModel", "dispatcher"]
+
+log = logging.getLogger("dlspark.compat")
+
+
+@with_snake_aliases
+class ListenerModel:
+    """What a listener's ``model`` argument answers: the round's score and counters, and the
+    :class:`dlspark.Network` (``getNetwork()``; its parameters are the fit's starting ones until
+    the fit returns)."""
+
+    def __init__(self, network, record, iteration, epoch):
+        self.network, self.record, self._iteration, self._epoch = network, dict(record), iteration, epoch
+
+    def score(self) -> float:
+        """The round's mean training loss over the workers (NaN if no worker reported one)."""
+        loss = self.record.get("loss")
+        return math.nan if loss is None else float(loss)
+
+    def getIterationCount(self) -> int:
+        """The last iteration of the round."""
+        return self._iteration
+
+    def getEpochCount(self) -> int:
+        """The epoch the round belongs to."""
+        return self._epoch
+
+    def batchSize(self) -> int:
+        """Examples per worker minibatch in the round (its examples over its minibatches)."""
+        return int(self.record.get("examples", 0) // max(1, self.record.get("minibatches", 1)))
+
+    def getNetwork(self):
+        """The dlspark Network being trained."""
+        return self.network
+
+
+@with_snake_aliases
+class TrainingListener:
+    """DL4J's ``TrainingListener`` (and ``BaseTrainingListener``): override what you need.
+
+    ``iterationDone(model, iteration, epoch)`` after each round, ``onEpochStart(model)`` and
+    ``onEpochEnd(model)`` around each ``fit`` (one epoch, as in DL4J's Spark training).
+    """
+
+    def iterationDone(self, model, iteration: int, epoch: int) -> None:
+        """Called as each round completes."""
+
+    def onEpochStart(self, model) -> None:
+        """Called before a fit's first round."""
+
+    def onEpochEnd(self, model) -> None:
+        """Called after a fit's last round."""
+
+
+BaseTrainingListener = TrainingListener
+
+
+@with_snake_aliases
+class ScoreIterationListener(TrainingListener):
+    """DL4J's ``ScoreIterationListener(printIterations)``: logs ``Score at iteration N is S`` (logger
+    ``dlspark.compat``, level INFO) each time the iteration count passes a multiple of
+    ``printIterations`` (default 10)."""
+
+    def __init__(self, printIterations: int = 10):
+        if isinstance(printIterations, bool) or not isinstance(printIterations, int) or printIterations < 1:
+            raise ValueError(f"printIterations must be an integer >= 1, got {printIterations!r}")
+        self.print_iterations = printIterations
+        self._last = None
+
+    def iterationDone(self, model, iteration, epoch):
+        if self._last is None or iteration // self.print_iterations > self._last // self.print_iterations:
+            log.info("Score at iteration %d is %s", iteration, model.score())
+        self._last = iteration
+
+
+@with_snake_aliases
+class PerformanceListener(TrainingListener):
+    """DL4J's ``PerformanceListener(frequency, reportScore)``: logs, every ``frequency`` rounds,
+    the round's time, examples and minibatches per second, the workers' mean wait for data
+    (DL4J's ETL time) and, with ``reportScore``, the score."""
+
+    def __init__(self, frequency: int = 1, reportScore: bool = False):
+        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+            raise ValueError(f"frequency must be an integer >= 1, got {frequency!r}")
+        self.frequency, self.report_score, self._rounds = frequency, bool(reportScore), 0
+
+    def iterationDone(self, model, iteration, epoch):
+        self._rounds += 1
+        if self._rounds % self.frequency:
+            return
+        r = model.record
+        seconds = max(float(r.get("round_time", 0.0)), 1e-9)
+        waits = list((r.get("data_wait") or {}).values())
+        text = (f"ETL: {1000 * sum(waits) / max(1, len(waits)):.0f} ms; iteration {iteration}; "
+                f"iteration time: {1000 * seconds:.0f} ms; samples/sec: {r.get('examples', 0) / seconds:.3f}; "
+                f"batches/sec: {r.get('minibatches', 0) / seconds:.3f}")
+        if self.report_score:
+            text += f"; score: {model.score()}"
+        log.info(text)
+
+
+@with_snake_aliases
+class StatsStorageRouter:
+    """Where a :class:`StatsListener` sends the statistics (DL4J's ``StatsStorageRouter``)."""
+
+    def putRounds(self, rounds, training_stats=None) -> None:
+        """Store the rounds so far (and the core's full statistics, when collected)."""
+        raise NotImplementedError
+
+
+@with_snake_aliases
+class FileStatsStorage(StatsStorageRouter):
+    """DL4J's ``FileStatsStorage(file)``: the training statistics in one file at ``path`` (a path
+    or fsspec URL), rewritten atomically after every round; open it with ``dlspark stats path``
+    (or ``dlspark stats path --html report.html``)."""
+
+    def __init__(self, path, storage_options=None):
+        self.path = str(path)
+        self.storage_options = dict(storage_options or {})
+
+    def putRounds(self, rounds, training_stats=None) -> None:
+        from dlspark.stats import TrainingStats
+
+        stats = TrainingStats(rounds=rounds)
+        if training_stats is not None and training_stats:  # events and clocks, when collected
+            stats = TrainingStats(rounds=rounds, events=training_stats.events, clocks=training_stats.clocks,
+                                  jobs=training_stats.jobs)
+        stats.export_json(self.path, **self.storage_options)
+
+    def __repr__(self):
+        return f"FileStatsStorage({self.path!r})"
+
+
+@with_snake_aliases
+class StatsListener(TrainingListener):
+    """DL4J's ``StatsListener(statsStorage[, listenerFrequency])``: sends the training statistics to
+    a :class:`StatsStorageRouter` (``FileStatsStorage``) every ``listenerFrequency`` rounds and
+    at the end of each fit. ``statsStorage`` may be None when ``setListeners`` is given one."""
+
+    def __init__(self, statsStorage=None, listenerFrequency: int = 1):
+        if statsStorage is not None and not isinstance(statsStorage, StatsStorageRouter):
+            raise TypeError(f"StatsListener takes a FileStatsStorage (a StatsStorageRouter) or None, got "
+                            f"{type(statsStorage).__name__}")
+        self.storage, self.frequency = statsStorage, int(listenerFrequency)
+        self.rounds: list = []
+        self._trainer = None
+
+    def iterationDone(self, model, iteration, epoch):
+        self.rounds.append(dict(model.record, iteration=iteration, epoch=epoch))
+        if self.storage is not None and len(self.rounds) % self.frequency == 0:
+            self.storage.putRounds(self.rounds)
+
+    def onEpochEnd(self, model):
+        if self.storage is not None:
+            stats = getattr(self._trainer, "training_stats", None)
+            self.storage.putRounds(self.rounds, stats)
+
+
+def parse_listeners(args) -> tuple:
+    """``setListeners``' arguments -> (router or None, [listeners]): DL4J's
+    ``setListeners(listener, ...)``, ``setListeners([listeners])`` and
+    ``setListeners(statsStorage, [listeners])``."""
+    items = list(args)
+    router = items.pop(0) if items and isinstance(items[0], StatsStorageRouter) else None
+    if len(items) == 1 and isinstance(items[0], (list, tuple)):
+        items = list(items[0])
+    for x in items:
+        if not isinstance(x, TrainingListener):
+            missing = [m for m in ("iterationDone", "onEpochEnd") if not callable(getattr(x, m, None))]
+            if missing:
+                raise TypeError(f"setListeners takes DL4J-style listeners (ScoreIterationListener(10), "
+                                f"PerformanceListener(1), StatsListener(FileStatsStorage(path)), or an object with "
+                                f"iterationDone(model, iteration, epoch) and onEpochEnd(model)); a "
+                                f"{type(x).__name__} has no {', '.join(missing)}")
+    for x in items:
+        if isinstance(x, StatsListener) and x.storage is None:
+            if router is None:
+                raise ValueError("StatsListener(None) needs a statsStorage: StatsListener(FileStatsStorage(path)) "
+                                 "or setListeners(FileStatsStorage(path), [StatsListener(None)])")
+            x.storage = router
+    return router, items
+
+
+def dispatcher(listeners, network, trainer):
+    """The core ``callbacks`` entry that calls ``listeners`` for each round of one fit, and the
+    function that calls their ``onEpochEnd`` after it: ``(callback, end)``."""
+    state = {"iteration": network.iteration, "last": None}
+    for x in listeners:
+        if isinstance(x, StatsListener):
+            x._trainer = trainer
+        if callable(getattr(x, "onEpochStart", None)):
+            x.onEpochStart(ListenerModel(network, {}, network.iteration, network.epoch))
+
+    def on_round(record):
+        # the network counts every minibatch any worker trained as one iteration
+        state["iteration"] += int(record.get("minibatches", 0))
+        epoch = network.epoch + int(record.get("epoch", 0))
+        model = state["last"] = ListenerModel(network, record, state["iteration"], epoch)
+        for x in listeners:
+            x.iterationDone(model, state["iteration"], epoch)
+
+    def end():
+        model = state["last"] or ListenerModel(network, {}, network.iteration, network.epoch)
+        for x in listeners:
+            x.onEpochEnd(model)
+
+    return on_round, end

@@ -1,0 +1,202 @@
+"""DL4J-on-Spark programs, in the shapes the DL4J documentation gives them, run through dlspark.compat.
+
+Each test is one program shape written from the reference docs' usage
+(evaluation, errors from the executors, the executors' Python, DataSet and
+path helpers, master settings, listeners), on real pyspark ``local[2]`` (the
+session's one SparkContext, ``conftest.sc``) and the module's real two-worker
+Dask LocalCluster. Nothing is mocked.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import optax
+import pytest
+from conftest import MLP
+
+import dlspark
+from dlspark import DataSet
+from dlspark.compat import Evaluation, EvaluationAveraging
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# -- the evaluation API, without Spark ------------------------------------------------------------
+def _predictions(seed=0, n=400, k=5):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, k, n)
+    y[:3] = 0  # class k-1 is never predicted below; class 0 is present
+    p = rng.random((n, k))
+    p[np.arange(n), y] += 0.6 * rng.random(n)  # better than chance, not perfect
+    p[:, k - 1] = 0.0
+    return np.eye(k)[y], p / p.sum(1, keepdims=True)
+
+
+def test_evaluation_takes_dl4j_calls_with_dl4j_semantics():
+    from sklearn.metrics import confusion_matrix, precision_score, recall_score, top_k_accuracy_score
+
+    labels, out = _predictions()
+    y, pred = labels.argmax(1), out.argmax(1)
+    names = [f"c{i}" for i in range(5)]
+    ev = Evaluation(names, 3)  # DL4J's Evaluation(List<String> labels, int topN)
+    half = len(y) // 2
+    ev.eval(labels[:half], out[:half])
+    ev.eval(labels[half:], out[half:])
+    assert ev.getNumRowCounter() == len(y) and ev.getTopN() == 3
+    assert ev.getTopNCorrectCount() == round(top_k_accuracy_score(y, out, k=3) * len(y))
+    assert ev.getTopNTotalCount() == len(y)
+    cm = confusion_matrix(y, pred, labels=range(5))
+    tp = np.diag(cm)
+    fn, fp = cm.sum(1) - tp, cm.sum(0) - tp
+    tn = len(y) - tp - fn - fp
+    assert ev.truePositives() == dict(enumerate(tp.tolist()))
+    assert ev.falseNegatives() == dict(enumerate(fn.tolist()))
+    assert ev.getFalseNegatives().getCount(2) == fn[2] and ev.getFalseNegatives().totalCount() == fn.sum()
+    assert ev.getTrueNegatives() == dict(enumerate(tn.tolist()))
+    # macro averages as DL4J: a class never predicted (precision 0/0) is left out of the precision
+    assert fp[4] + tp[4] == 0
+    per_class = precision_score(y, pred, labels=range(5), average=None, zero_division=0)
+    assert ev.precision() == pytest.approx(per_class[:4].mean())
+    assert ev.precision(EvaluationAveraging.Micro) == pytest.approx(precision_score(y, pred, average="micro"))
+    assert ev.recall() == pytest.approx(recall_score(y, pred, labels=range(5), average="macro"))
+    assert ev.falsePositiveRate() == pytest.approx(np.mean(fp / (fp + tn)))
+    assert ev.falsePositiveRate(1) == pytest.approx(fp[1] / (fp[1] + tn[1]))
+    report = ev.stats(False)
+    assert "# of classes:    5" in report and "Top 3 Accuracy" in report
+    assert "Classes excluded from average precision: [4]" in report and "| 2 = c2" in report
+    assert "Warning" not in ev.stats(True) and "Confusion Matrix" not in ev.stats(True, False)
+    # two classes: the no-argument metrics are the positive class's (1 by default, as DL4J)
+    binary = Evaluation(2)
+    yb = (y % 2)
+    ob = np.stack([1 - out[:, 1], out[:, 1]], 1)
+    binary.eval(np.eye(2)[yb], ob)
+    pb = ob.argmax(1)
+    assert binary.precision() == pytest.approx(precision_score(yb, pb, pos_label=1))
+    zero = Evaluation(2, 0)
+    zero.eval(np.eye(2)[yb], ob)
+    assert zero.recall() == pytest.approx(recall_score(yb, pb, pos_label=0))
+    assert "positive class (class 0" in zero.stats()
+    # one example at a time: eval(predictedIdx, actualIdx)
+    one = Evaluation(3)
+    one.eval(2, 1)
+    one.eval(1, 1)
+    assert one.getConfusionMatrix().tolist() == [[0, 0, 0], [0, 1, 1], [0, 0, 0]]
+    back = Evaluation.fromJson(ev.toJson())
+    assert type(back) is Evaluation and back == ev and back.getTopNCorrectCount() == ev.getTopNCorrectCount()
+    # DL4J's names in errors and suggestions
+    with pytest.raises(AttributeError, match=r"closest known: getNumRowCounter"):
+        ev.getNumRowCount()
+    with pytest.raises(AttributeError, match=r"closest known: .*falsePositiveRate"):
+        ev.falsePositivesRate()
+    with pytest.raises(TypeError, match=r"\(labels\[, topN or costArray\]\)"):
+        Evaluation({"a"})
+    with pytest.raises(ValueError, match="binaryPositiveClass needs 2 classes"):
+        Evaluation(5, 1)
+
+
+# -- on Spark and Dask -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(client2):
+    """The module's two-worker LocalCluster, the one dlspark.compat trains on."""
+    dlspark.compat.configure(client=client2)
+    yield client2
+    dlspark.compat.configure(client=None)
+
+
+def digits_part(split, n_parts, per_dataset, index, _):
+    """Runs on an executor: a share of the digits as DataSets of ``per_dataset`` examples."""
+    train, test = dlspark.datasets.digits()
+    return (train if split == "train" else test)[index::n_parts].batches(per_dataset)
+
+
+def digits_rdd(sc, split="train", per_dataset=32, n_parts=4):
+    from functools import partial
+
+    return sc.parallelize(range(n_parts), n_parts).mapPartitionsWithIndex(
+        partial(digits_part, split, n_parts, per_dataset))
+
+
+def new_net(seed=0, updater=None):
+    x = np.zeros((1, 64), np.float32)
+    return dlspark.Network(dlspark.Model.from_flax(MLP(hidden=32), x), loss="mcxent",
+                           updater=updater or optax.adam(3e-3), seed=seed)
+
+
+@pytest.mark.slow
+def test_export_list_fit_paths_and_evaluate_with_listeners(sc, cluster, tmp_path, caplog):
+    """The docs' export-then-fitPaths program: DataSetExportFunction writes the RDD, listPaths lists it,
+    fitPaths trains with a score, a performance and a stats listener, doEvaluation reads the files."""
+    import logging
+
+    from click.testing import CliRunner
+
+    from dlspark.cli import main
+    from dlspark.compat import (BatchAndExportDataSetsFunction, DataSetExportFunction, FileStatsStorage,
+                                ParameterAveragingTrainingMaster, PerformanceListener, ScoreIterationListener,
+                                SparkDl4jMultiLayer, SparkUtils, StatsListener, TrainingListener)
+    from dlspark.data import load_minibatch
+
+    train = digits_rdd(sc)
+    # DataSet's DL4J names, inside Spark tasks
+    assert train.map(lambda d: d.numExamples()).sum() == 1438
+    assert set(train.map(lambda d: d.getFeatures().shape[1] + d.getLabels().shape[1]).collect()) == {74}
+    out = str(tmp_path / "exported")
+    train.foreachPartition(DataSetExportFunction(out))
+    paths = SparkUtils.listPaths(sc, out)
+    assert paths.count() == train.count() and paths.first().endswith(".npz")
+    assert SparkUtils.listPaths(sc, out, False, ["bin"]).count() == 0
+    batched = train.mapPartitionsWithIndex(BatchAndExportDataSetsFunction(16, str(tmp_path / "batched"))).collect()
+    sizes = [len(load_minibatch(p)) for p in batched]
+    assert sum(sizes) == 1438 and max(sizes) == 16 and sum(s < 16 for s in sizes) <= 4  # one short file a partition
+
+    class Rounds(TrainingListener):
+        def __init__(self):
+            self.seen, self.ended = [], 0
+
+        def iterationDone(self, model, iteration, epoch):
+            self.seen.append((iteration, epoch, model.score()))
+
+        def onEpochEnd(self, model):
+            self.ended += 1
+
+    rounds = Rounds()
+    tm = ParameterAveragingTrainingMaster.Builder(32).batchSizePerWorker(32).averagingFrequency(3).build()
+    spark_net = SparkDl4jMultiLayer(sc, new_net(), tm)
+    stats_file = str(tmp_path / "stats.json")
+    spark_net.setListeners(FileStatsStorage(stats_file), [StatsListener(None), ScoreIterationListener(12),
+                                                          PerformanceListener(1, True), rounds])
+    with caplog.at_level(logging.INFO, logger="dlspark.compat"):
+        for _ in range(2):
+            spark_net.fitPaths(paths)
+    net = spark_net.getNetwork()
+    assert rounds.ended == 2 and rounds.seen[-1][0] == net.iteration and rounds.seen[-1][1] == 1
+    assert [i for i, _, _ in rounds.seen] == sorted({i for i, _, _ in rounds.seen})  # one call per round, rising
+    assert all(np.isfinite(s) for _, _, s in rounds.seen)
+    scores = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Score at iteration")]
+    assert 2 <= len(scores) < len(rounds.seen)  # every 12 iterations, a round being 2 x 3
+    assert sum("samples/sec" in r.getMessage() and "score:" in r.getMessage() for r in caplog.records) == \
+        len(rounds.seen)
+    # the stats file opens with `dlspark stats`
+    result = CliRunner().invoke(main, ["stats", stats_file])
+    assert result.exit_code == 0, result.output
+    assert str(len(rounds.seen)) in result.output
+    # DL4J's doEvaluation(paths, loader, evaluations...) on the executors
+    ev, reg = spark_net.doEvaluation(paths, load_minibatch, Evaluation(), dlspark.compat.RegressionEvaluation())
+    assert ev.getNumRowCounter() == 1438 and ev.accuracy() > 0.8 and reg.num_columns() == 10
+    spark_net.setDefaultEvaluationWorkers(2)
+    assert spark_net.getDefaultEvaluationWorkers() == 2
+    assert spark_net.evaluate(paths).getNumRowCounter() == 1438
+    x = np.asarray(dlspark.datasets.digits()[1].features[:5])
+    assert np.array_equal(spark_net.predict(x), net.output(x))
+    with pytest.raises(ValueError, match="inject_hyperparams"):
+        spark_net.getLearningRate()
+    spark_net.setNetwork(new_net(updater=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)))
+    assert spark_net.getLearningRate(0) == pytest.approx(0.05)
+    with pytest.raises(TypeError, match="setListeners takes DL4J-style listeners.*has no iterationDone"):
+        spark_net.setListeners(print)
+    with pytest.raises(ValueError, match="StatsListener\\(None\\) needs a statsStorage"):
+        spark_net.setListeners(StatsListener(None))
