@@ -1,12 +1,19 @@
 """The ``dlspark`` command: look at a cluster, and run a training script on one (spark-submit's role).
 
-    dlspark info [--scheduler ADDR]
-    dlspark train SCRIPT [--scheduler ADDR | --slurm OPTIONS | --local N] [--client-cpu] [-- ARGS]
+    dlspark info [--scheduler ADDR] [TLS OPTIONS]
+    dlspark train SCRIPT [--scheduler ADDR | --slurm OPTIONS | --local N] [--client-cpu] [TLS OPTIONS] [-- ARGS]
 
 ``train`` sets up the cluster, then runs ``python SCRIPT ARGS`` with
 ``dlspark.client.address`` pointing at it (``DASK_DLSPARK__CLIENT__ADDRESS``):
 the script's ``DistributedTrainer(None, ...)`` connects there, so the same script
 runs unchanged on a laptop, on SLURM or against a running scheduler.
+
+A ``tls://`` scheduler is reached with the certificates in dask's configuration
+(``distributed.comm.tls.ca-file``, ``distributed.comm.tls.client.cert`` and
+``.key``), or those given as ``--tls-ca-file``, ``--tls-cert`` and ``--tls-key``:
+these are handed to the script too (as ``DASK_DISTRIBUTED__COMM__TLS__...``
+variables), and an embedded cluster started with them (``--local``) speaks TLS
+only, every process presenting that certificate.
 """
 
 from __future__ import annotations
@@ -48,6 +55,52 @@ def parse_slurm_options(text: str) -> dict:
     return options
 
 
+def _tls_options(command):
+    """``--tls-ca-file``, ``--tls-cert`` and ``--tls-key`` (dask's own CLI names) on ``command``."""
+    for name, what in reversed((("--tls-ca-file", "the certificate authority that signed the cluster's certificates"),
+                                ("--tls-cert", "this command's certificate (its key in --tls-key, or in the same file)"),
+                                ("--tls-key", "the private key of --tls-cert"))):
+        command = click.option(name, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+                               help=f"TLS: {what}; default: dask's distributed.comm.tls.* configuration")(command)
+    return command
+
+
+def _tls_config(ca_file, cert, key) -> dict:
+    """Dask settings that make every connection of this command (and of a script it runs, and of
+    an embedded cluster it starts) TLS with the given files, encryption required; {} without them."""
+    if not (ca_file or cert or key):
+        return {}
+    if not (ca_file and cert):
+        raise click.UsageError("TLS needs --tls-ca-file and --tls-cert (and --tls-key unless the certificate "
+                               f"file holds the key too); got --tls-ca-file={ca_file!r} --tls-cert={cert!r}")
+    paths = {"ca-file": ca_file}
+    for role in ("client", "scheduler", "worker"):
+        paths[f"{role}.cert"] = cert
+        paths[f"{role}.key"] = key
+    settings = {f"distributed.comm.tls.{k}": os.path.abspath(v) for k, v in paths.items() if v}
+    settings["distributed.comm.require-encryption"] = True
+    return settings
+
+
+def _tls_env(settings: dict) -> dict:
+    """:func:`_tls_config`'s settings as the ``DASK_...`` variables a script started from here reads."""
+    return {"DASK_" + k.upper().replace(".", "__").replace("-", "_"): str(v) for k, v in settings.items()}
+
+
+def _client(address, timeout, param_hint="--scheduler"):
+    """A client of ``address``, or a usage error that says how to give a TLS scheduler its certificates."""
+    from distributed import Client
+    from distributed.security import Security
+
+    if isinstance(address, str) and address.startswith("tls://") and not Security().get_connection_args("client").get(
+            "ssl_context"):
+        raise click.UsageError(
+            f"{address} speaks TLS and no certificates are configured: give --tls-ca-file, --tls-cert and --tls-key, "
+            "or set distributed.comm.tls.ca-file, distributed.comm.tls.client.cert and distributed.comm.tls.client.key "
+            "in dask's configuration")
+    return Client(address, timeout=timeout)
+
+
 def _connect(scheduler, timeout):
     from distributed import Client
 
@@ -55,7 +108,7 @@ def _connect(scheduler, timeout):
 
     address = scheduler or config.get("client.address")
     if address:
-        return None, Client(address, timeout=timeout)
+        return None, _client(address, timeout)
     from .cluster import local_cluster
 
     cluster = local_cluster()
@@ -71,8 +124,16 @@ def main():
 @click.option("--scheduler", metavar="ADDR", help="a running scheduler (default: dlspark.client.address, "
               "else an embedded cluster sized to this machine)")
 @click.option("--timeout", default=30.0, show_default=True, help="seconds to wait for the scheduler")
-def info(scheduler, timeout):
+@_tls_options
+def info(scheduler, timeout, tls_ca_file, tls_cert, tls_key):
     """The cluster: each worker's devices, memory and package versions, and any version mismatch."""
+    import dask
+
+    with dask.config.set(_tls_config(tls_ca_file, tls_cert, tls_key)):
+        _info(scheduler, timeout)
+
+
+def _info(scheduler, timeout):
     from dask.utils import format_bytes
 
     from .cluster import check_versions, cluster_versions, version_table
@@ -113,12 +174,21 @@ def info(scheduler, timeout):
 @click.option("--local", type=click.IntRange(min=1), metavar="N", help="an embedded cluster of N workers")
 @click.option("--client-cpu", is_flag=True, help="keep the script's JAX on CPU (JAX_PLATFORMS=cpu for it alone)")
 @click.option("--timeout", default=300.0, show_default=True, help="seconds to wait for the workers")
-def train(script, args, scheduler, slurm, local, client_cpu, timeout):
+@_tls_options
+def train(script, args, scheduler, slurm, local, client_cpu, timeout, tls_ca_file, tls_cert, tls_key):
     """Run SCRIPT (with ARGS after --) on a cluster this command sets up; its trainer finds it.
 
     Without --scheduler, --slurm or --local: dlspark.client.address if set, else an embedded
     cluster sized to this machine. Exits with the script's exit status.
     """
+    import dask
+
+    tls = _tls_config(tls_ca_file, tls_cert, tls_key)
+    with dask.config.set(tls):
+        _train(script, args, scheduler, slurm, local, client_cpu, timeout, _tls_env(tls))
+
+
+def _train(script, args, scheduler, slurm, local, client_cpu, timeout, tls_env):
     from distributed import Client
 
     from .cluster import gpu_devices, local_cluster, slurm_cluster
@@ -141,12 +211,13 @@ def train(script, args, scheduler, slurm, local, client_cpu, timeout):
         cluster = local_cluster(local)
         pin = not gpu_devices()[1]
     try:
-        client = Client(cluster if cluster is not None else scheduler or _configured_address(), timeout=timeout)
+        client = (Client(cluster, timeout=timeout) if cluster is not None
+                  else _client(scheduler or _configured_address(), timeout))
         try:
             if n:
                 client.wait_for_workers(n, timeout=timeout)
             install_plugins(client, pin)
-            env = dict(os.environ, DASK_DLSPARK__CLIENT__ADDRESS=client.scheduler.address)
+            env = dict(os.environ, **tls_env, DASK_DLSPARK__CLIENT__ADDRESS=client.scheduler.address)
             if client_cpu:
                 env["JAX_PLATFORMS"] = "cpu"
             click.echo(f"dlspark: running {script} against {client.scheduler.address} "

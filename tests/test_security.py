@@ -189,3 +189,170 @@ def test_the_compat_restore_needs_a_network_or_trusted_and_trusted_runs_the_file
     with pytest.raises(Exception):
         dlspark.Network.load(definition)
     assert marker.exists()
+
+
+# -- TLS end to end, from dask's configuration alone ----------------------------------------------
+def _certificates(directory):
+    """A certificate authority and one certificate it signed for this machine (127.0.0.1,
+    localhost), as PEM files: ``(ca_file, cert_file, key_file)``."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def certificate(subject, key, issuer, issuer_key, ca):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dlspark tests CA")])
+    ca = certificate(ca_name, ca_key, ca_name, ca_key, True)
+    cert = certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), key, ca_name, ca_key, False)
+    paths = [directory / "ca.pem", directory / "cert.pem", directory / "key.pem"]
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return tuple(str(p) for p in paths)
+
+
+def _tls_settings(ca, cert, key):
+    settings = {"distributed.comm.require-encryption": True, "distributed.comm.tls.ca-file": ca}
+    for role in ("client", "scheduler", "worker"):
+        settings[f"distributed.comm.tls.{role}.cert"] = cert
+        settings[f"distributed.comm.tls.{role}.key"] = key
+    return settings
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """One LocalCluster secured by dask's configuration alone (no Security object anywhere), in
+    which every process refuses plain TCP: this one (the client, the scheduler, the nannies) and
+    each worker (through a Dask preload). Attempts land in ``log``. Last in this module: the
+    refusal holds until the module's end."""
+    from types import SimpleNamespace
+
+    from distributed import Client
+
+    import _plain_tcp
+    from dlspark.cluster import local_cluster
+
+    d = tmp_path_factory.mktemp("tls")
+    ca, cert, key = _certificates(d)
+    log = d / "plain-tcp.log"
+    mp = pytest.MonkeyPatch()
+    mp.setenv(_plain_tcp.LOG_VARIABLE, str(log))
+    _plain_tcp.install()
+    try:
+        with dask.config.set({**_tls_settings(ca, cert, key), "distributed.worker.preload": ["_plain_tcp"]}):
+            with local_cluster(2) as cluster, Client(cluster) as client:
+                yield SimpleNamespace(client=client, cluster=cluster, ca=ca, cert=cert, key=key, log=log)
+    finally:
+        _plain_tcp.uninstall()
+        mp.undo()
+
+
+def _no_plain_tcp(tls):
+    assert not tls.log.exists(), tls.log.read_text()
+
+
+@pytest.mark.slow
+def test_tls_from_dasks_config_carries_fits_evaluation_inference_and_checkpoints(tls, make_net, digits, tmp_path):
+    import _plain_tcp
+    from dlspark import GradientSharing
+    from dlspark.distributed._shared import same_host
+
+    client, tr, te = tls.client, digits[0][:256], digits[1]
+    workers = list(client.scheduler_info()["workers"])
+    assert client.scheduler.address.startswith("tls://") and all(w.startswith("tls://") for w in workers)
+    assert all(client.run(_plain_tcp.guarded).values()) and _plain_tcp.guarded()  # the guard is live everywhere
+    assert not same_host(*workers)  # co-located workers, yet no shared-memory shortcut past the comms
+    ck = str(tmp_path / "ck.dls")
+    for master in (ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2),
+                   GradientSharing(batch_size_per_worker=32)):
+        net = make_net(MLP(hidden=16))
+        s0 = net.score(tr)
+        trainer = DistributedTrainer(client, net, master, progress=False)
+        trainer.fit(tr, epochs=2, checkpoint_every=2, checkpoint_url=ck)
+        assert net.iteration == 2 * 8 and net.score(tr) < s0, type(master).__name__
+        if isinstance(master, ParameterAveraging):
+            assert all(s["bytes_shared"] == 0 < s["bytes_received"] for s in trainer.last_fit_stats)
+    evaluation = trainer.evaluate(te)
+    assert evaluation.accuracy() == pytest.approx(float((np.asarray(net.output(te.features)).argmax(-1)
+                                                         == np.asarray(te.labels).argmax(-1)).mean()))
+    keyed = trainer.predict_with_keys({i: te.features[i] for i in range(12)})
+    np.testing.assert_allclose(np.stack([keyed[i] for i in range(12)]), net.output(te.features[:12]), rtol=1e-5,
+                               atol=1e-6)
+    back = make_net(MLP(hidden=16)).restore(ck)  # the last checkpoint the sharing fit wrote
+    np.testing.assert_allclose(back.output(te.features[:12]), net.output(te.features[:12]), rtol=1e-5, atol=1e-6)
+    _no_plain_tcp(tls)
+
+
+_SCRIPT = '''
+import _plain_tcp  # DLSPARK_TEST_TCP_LOG is set: plain TCP is refused in this script's process
+
+import dask
+import flax.linen as nn
+
+import dlspark
+
+
+class Small(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(x)
+
+
+if __name__ == "__main__":
+    assert _plain_tcp.guarded() and dask.config.get("distributed.comm.require-encryption")
+    _, test = dlspark.datasets.digits()
+    net = dlspark.Network(dlspark.Model.from_flax(Small(), test.features[:1]))
+    with dlspark.DistributedTrainer(None, net, progress=False) as trainer:
+        accuracy = trainer.evaluate(test[:64]).accuracy()
+        print("evaluated at", trainer.client.scheduler.address, "accuracy", accuracy)
+'''
+
+
+@pytest.mark.slow
+def test_the_dlspark_command_reaches_a_tls_scheduler_with_dasks_config_or_its_options(tls, tmp_path, capfd):
+    import os
+
+    from click.testing import CliRunner
+
+    from dlspark.cli import main
+
+    address = tls.client.scheduler.address
+    # info, with the certificates from dask's configuration
+    result = CliRunner().invoke(main, ["info", "--scheduler", address])
+    assert result.exit_code == 0, result.output
+    assert f"scheduler {address}, 2 worker(s)" in result.output and "versions agree" in result.output
+    # train: the script runs in a process of its own, given the certificates of --tls-* and nothing else
+    script = tmp_path / "evaluate.py"
+    script.write_text(_SCRIPT)
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    capfd.readouterr()
+    result = CliRunner().invoke(main, ["train", str(script), "--scheduler", address, "--tls-ca-file", tls.ca,
+                                       "--tls-cert", tls.cert, "--tls-key", tls.key], env=env)
+    printed = capfd.readouterr()  # the script's own output (its process writes to the file descriptors)
+    assert result.exit_code == 0, (result.output, printed)
+    assert f"evaluated at {address} accuracy" in printed.out, printed
+    _no_plain_tcp(tls)
+    # without certificates, the command says how to give them
+    no_tls = {"distributed.comm.tls.ca-file": None, "distributed.comm.tls.client.cert": None,
+              "distributed.comm.tls.client.key": None}
+    with dask.config.set(no_tls):
+        result = CliRunner().invoke(main, ["info", "--scheduler", address])
+    assert result.exit_code == 2
+    assert f"{address} speaks TLS and no certificates are configured: give --tls-ca-file, --tls-cert" in result.output
+    result = CliRunner().invoke(main, ["info", "--scheduler", address, "--tls-cert", tls.cert])
+    assert result.exit_code == 2 and "TLS needs --tls-ca-file and --tls-cert" in result.output
