@@ -38,12 +38,14 @@ ORDER = ("gpu_cluster", "gpu_parallel", "many_core", "network")
 #: the full run on a GPU host with 16 cores: sizes and seconds per section (about 8.5 minutes
 #: together, with the install), the GPU first since the host may go away
 FULL = {
-    "gpu_cluster": {"budget_s": 130, "digits_epochs": 12, "algorithms": ["averaging", "sharing"],
-                    "gpu_batches": [160, 2048], "n_rounds": 24, "segments": 3, "measure_s": 18,
+    # a GPU step of the MLP takes well under a millisecond: many rounds cost little, and each
+    # (minibatch, rounds) keeps a segment's data near 100 MB
+    "gpu_cluster": {"budget_s": 160, "digits_epochs": 12, "algorithms": ["averaging", "sharing"],
+                    "worker_batches": [[160, 200], [2048, 40]], "segments": 4, "measure_s": 25,
                     "memory_settings": ["preallocate_off", "fraction_30_preallocated", "fraction_30"],
                     "memory_rounds": 10},
     "gpu_parallel": {"budget_s": 50, "gpu_batches": [160, 2048], "wrapper_rounds": 20, "measure_s": 12},
-    "many_core": {"budget_s": 270, "workers": [2, 4, 8], "runs": 3,
+    "many_core": {"budget_s": 240, "workers": [2, 4, 8], "runs": 3,
                   "pairs": [["averaging", "mlp"], ["averaging", "cnn"], ["sharing", "mlp"], ["sharing", "cnn"]],
                   "batches": {}, "n_rounds": 24, "segments": 3, "measure_s": 15},
     "network": {"budget_s": 40, "workers": [4, 8], "links": ["unlimited"]},
@@ -51,14 +53,16 @@ FULL = {
 #: the dry run: the same code on CPU devices, smallest sizes, each loop's body once or twice;
 #: budgets that a loaded 2-core machine meets
 DRY = {
-    "gpu_cluster": {"budget_s": 240, "digits_epochs": 1, "algorithms": ["averaging"], "gpu_batches": [16],
-                    "n_rounds": 6, "segments": 2, "measure_s": 0,
+    "gpu_cluster": {"budget_s": 240, "digits_epochs": 1, "algorithms": ["averaging"], "worker_batches": [[16, 6]],
+                    "segments": 2, "measure_s": 0,
                     "memory_settings": ["preallocate_off", "fraction_30_preallocated"], "memory_rounds": 2},
     "gpu_parallel": {"budget_s": 120, "gpu_batches": [16], "wrapper_rounds": 4, "measure_s": 0},
     "many_core": {"budget_s": 240, "workers": [2], "runs": 1, "pairs": [["averaging", "mlp"], ["sharing", "cnn"]],
                   "batches": {"mlp": 16, "cnn": 2}, "n_rounds": 6, "segments": 2, "measure_s": 0},
     "network": {"budget_s": 30, "workers": [2], "links": ["unlimited"]},
 }
+#: the sections' budgets together in a full run; sections run alone (``--only``) share as much
+FULL_BUDGET_S = sum(c["budget_s"] for c in FULL.values())
 #: seconds a section gets after its budget to end by itself, before it is killed
 GRACE_S = 10
 
@@ -180,7 +184,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for device.json and device.log")
     ap.add_argument("--dry-run", action="store_true", help="CPU devices, smallest sizes: a check that the code runs")
-    ap.add_argument("--only", nargs="+", choices=ORDER, help="run these sections alone")
+    ap.add_argument("--only", nargs="+", choices=ORDER,
+                    help="run these sections alone, sharing a full run's time among them")
     ap.add_argument("--install-only", action="store_true", help="install (if needed), check the imports, stop")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -201,9 +206,11 @@ def main(argv=None) -> dict:
     if args.install_only:
         return report
     env_path = report["install"].get("pythonpath")
+    names = args.only or ORDER
+    scale = 1.0 if args.dry_run else FULL_BUDGET_S / sum(plan[n]["budget_s"] for n in names)
     with open(os.path.join(args.out, "device.log"), "w") as log:
-        for name in args.only or ORDER:
-            config = dict(plan[name], dry_run=args.dry_run)
+        for name in names:
+            config = dict(plan[name], dry_run=args.dry_run, budget_s=round(plan[name]["budget_s"] * scale))
             print(f"{name}: up to {config['budget_s']} s", flush=True)
             report["sections"][name] = run_section(name, config, _env_for(name, args.dry_run, env_path), log)
             print(f"{name}: {report['sections'][name]['status']} in {report['sections'][name]['seconds']} s", flush=True)
