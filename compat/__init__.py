@@ -28,11 +28,13 @@ from ._cluster import SCHEDULER_CONF_KEY, configure
 from ._conf import (AdaptiveThresholdAlgorithm, FixedThresholdAlgorithm, MeshBuildMode, NoOpResidualPostProcessor,
                     RDDTrainingApproach, Repartition, RepartitionStrategy, ResidualClippingPostProcessor,
                     TargetSparsityThresholdAlgorithm, VoidConfiguration)
-from ._evaluation import (ROC, Evaluation, EvaluationBinary, EvaluationCalibration, RegressionEvaluation, ROCBinary,
-                          ROCMultiClass)
+from ._evaluation import (ROC, Counter, Evaluation, EvaluationAveraging, EvaluationBinary, EvaluationCalibration,
+                          RegressionEvaluation, ROCBinary, ROCMultiClass)
 from ._masters import ParameterAveragingTrainingMaster, SharedTrainingMaster, TrainingMaster
 from ._networks import SparkComputationGraph, SparkDl4jMultiLayer, SparkTrainingStats
-from ._util import ModelSerializer, SparkUtils, StatsUtils
+from ._listeners import (BaseTrainingListener, FileStatsStorage, PerformanceListener, ScoreIterationListener,
+                         StatsListener, StatsStorageRouter, TrainingListener)
+from ._util import BatchAndExportDataSetsFunction, DataSetExportFunction, ModelSerializer, SparkUtils, StatsUtils
 
 __all__ = [
     "configure",
@@ -63,4 +65,15 @@ __all__ = [
     "ROCMultiClass",
     "RegressionEvaluation",
     "EvaluationCalibration",
+    "EvaluationAveraging",
+    "Counter",
+    "DataSetExportFunction",
+    "BatchAndExportDataSetsFunction",
+    "TrainingListener",
+    "BaseTrainingListener",
+    "ScoreIterationListener",
+    "PerformanceListener",
+    "StatsListener",
+    "StatsStorageRouter",
+    "FileStatsStorage",
 ]

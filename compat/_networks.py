@@ -17,6 +17,8 @@ from dlspark.data import SourceContext, fit_minibatches, list_minibatches
 from dlspark import spark as _spark
 
 from ._cluster import dask_client, progress_enabled
+from ._listeners import dispatcher, parse_listeners
+from ._runtime import CompatTrainer, dealt, set_periodic_gc
 from ._evaluation import Evaluation, RegressionEvaluation, ROC, ROCMultiClass
 from ._masters import TrainingMaster, spark_storage_level
 from ._conf import RDDTrainingApproach
@@ -108,6 +110,9 @@ class _SparkNetwork:
         self._trainer = None
         self._exported = None  # ((context, rdd id, batch size), export directory, URLs) of the last RDD exported
         self._score = math.nan
+        self._listeners: list = []
+        self._eval_workers = self.DEFAULT_EVAL_WORKERS
+        _spark.check_executors(self.sc)  # once per SparkContext: the executors must import this dlspark
 
     # -- training --------------------------------------------------------------------------
     def _fit_trainer(self) -> DistributedTrainer:
@@ -117,10 +122,21 @@ class _SparkNetwork:
                              ".build()); evaluation and inference need none")
         client = dask_client(self.sc)
         if self._trainer is None or self._trainer.client is not client:
-            self._trainer = DistributedTrainer(client, self._network, self._master.algorithm,
-                                               progress=progress_enabled())
+            self._trainer = CompatTrainer(client, self._network, self._master.algorithm,
+                                          progress=progress_enabled())
         self._trainer.network, self._trainer.master = self._network, self._master.algorithm
+        self._trainer.workers_per_node = self._master.workers_per_node
+        set_periodic_gc(client, self._master.periodic_gc_ms)
         return self._trainer
+
+    def _train_paths(self, trainer, urls, loader=None):
+        """One epoch from minibatch files: dealt in the master's seeded order, with the listeners."""
+        if self._master.rng_seed is not None:
+            urls = dealt(list_minibatches(urls) if isinstance(urls, str) else urls, self._master.rng_seed,
+                         self._network.epoch)
+        on_round, end = dispatcher(self._listeners, self._network, trainer)
+        trainer.fit_paths(urls, loader=loader, callbacks=[on_round] if self._listeners else ())
+        end()
 
     def _fit_rdd(self, trainer, rdd):
         master = self._master
@@ -129,8 +145,10 @@ class _SparkNetwork:
             persist = not rdd.is_cached and master.storage_level is not None
             if persist:
                 rdd.persist(spark_storage_level(master.storage_level))
+            on_round, end = dispatcher(self._listeners, self._network, trainer)
             try:
-                trainer.fit(rdd)
+                trainer.fit(rdd, callbacks=[on_round] if self._listeners else ())
+                end()
             finally:
                 if persist:
                     rdd.unpersist()
@@ -156,7 +174,7 @@ class _SparkNetwork:
             if used and not any(r.startswith(used[-1]) for r in refs[:1]):  # an RDD of paths: nothing written
                 master.discard_export_dir(used[-1])
             self._exported = cached = (key, used[-1] if used else None, refs)
-        trainer.fit_paths(cached[2])
+        self._train_paths(trainer, cached[2])
 
     def _after_fit(self, trainer):
         losses = [loss for _, _, loss in trainer.loss_history if loss is not None]
@@ -174,19 +192,29 @@ class _SparkNetwork:
         """
         trainer = self._fit_trainer()
         if isinstance(data, str):
-            trainer.fit_paths(data)
+            self._train_paths(trainer, data)
         elif _spark.is_rdd(data):
             self._fit_rdd(trainer, data)
         else:
-            trainer.fit(data)
+            on_round, end = dispatcher(self._listeners, self._network, trainer)
+            trainer.fit(data, callbacks=[on_round] if self._listeners else ())
+            end()
         return self._after_fit(trainer)
 
     def fitPaths(self, paths, loader=None):
         """Train one epoch from an RDD of minibatch file paths (their strings are collected;
         the Dask workers read the files). ``loader``: ``path -> DataSet`` for another format."""
         trainer = self._fit_trainer()
-        urls = _spark.collect_paths(paths, "fitPaths") if _spark.is_rdd(paths) else paths
-        trainer.fit_paths(urls, loader=loader)
+        if _spark.is_rdd(paths):
+            level = self._master.storage_level_streams
+            if level is not None and not paths.is_cached:  # DL4J's storageLevelStreams: read once, kept
+                from ._masters import spark_storage_level
+
+                paths.persist(spark_storage_level(level))
+            urls = _spark.collect_paths(paths, "fitPaths")
+        else:
+            urls = paths
+        self._train_paths(trainer, urls, loader)
         return self._after_fit(trainer)
 
     def fitMultiDataSet(self, data):
@@ -218,18 +246,25 @@ class _SparkNetwork:
         rest = list(args)
         while rest and _is_int(rest[0]) and len(ints) < 2:
             ints.append(int(rest.pop(0)))
+        if rest and callable(rest[0]) and not hasattr(rest[0], "update"):  # DL4J's (paths, [w, b,] loader, ...)
+            if loader is not None:
+                raise TypeError("doEvaluation got two loaders (one positional, one loader=)")
+            loader = rest.pop(0)
+            if not ints:
+                ints = [self.DEFAULT_EVAL_SCORE_BATCH_SIZE]
         if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
             rest = list(rest[0])
         if not ints:
-            raise TypeError("doEvaluation(rdd, [evalNumWorkers,] evalBatchSize, *evaluations), e.g. "
+            raise TypeError("doEvaluation(rdd, [evalNumWorkers,] evalBatchSize, *evaluations) or "
+                            "doEvaluation(paths, [evalNumWorkers, evalBatchSize,] loader, *evaluations), e.g. "
                             "doEvaluation(rdd, 64, Evaluation(), ROCMultiClass()); the batch size is missing")
-        workers, batch = (self.DEFAULT_EVAL_WORKERS, ints[0]) if len(ints) == 1 else ints
+        workers, batch = (self._eval_workers, ints[0]) if len(ints) == 1 else ints
         return _spark.do_evaluation(self._rdd(data, "doEvaluation"), self._network, rest, batch, workers, loader,
                                     output=self._eval_output)
 
     def _one(self, evaluation, data, batch_size, loader, what):
         rdd = self._rdd(data, what)
-        return _spark.do_evaluation(rdd, self._network, [evaluation], batch_size, self.DEFAULT_EVAL_WORKERS,
+        return _spark.do_evaluation(rdd, self._network, [evaluation], batch_size, self._eval_workers,
                                     loader, output=self._eval_output)[0]
 
     def evaluate(self, data, labels_list=None, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE, loader=None):
@@ -285,7 +320,58 @@ class _SparkNetwork:
         """The loss over an RDD of DataSets: the mean per example with ``average``, else the sum."""
         return _spark.calculate_score(data, self._network, batch_size, average)
 
+    def predict(self, features):
+        """DL4J's ``predict(features)``: the network's output for a local array of examples,
+        on the driver (a tuple of arrays for several outputs)."""
+        return self._network.output(np.asarray(features) if not isinstance(features, (tuple, list))
+                                    else tuple(np.asarray(f) for f in features))
+
+    # -- listeners -------------------------------------------------------------------------
+    def setListeners(self, *listeners) -> None:
+        """DL4J's ``setListeners(listener, ...)``, ``setListeners([listeners])`` and
+        ``setListeners(statsStorage, [listeners])``: listeners called on the driver as each
+        round of a fit completes (see :mod:`dlspark.compat._listeners`); replaces earlier ones."""
+        _, self._listeners = parse_listeners(listeners)
+
+    def getListeners(self) -> list:
+        """The listeners :meth:`setListeners` set."""
+        return list(self._listeners)
+
     # -- accessors -------------------------------------------------------------------------
+    def setDefaultEvaluationWorkers(self, workers: int) -> None:
+        """Minibatches each executor task evaluates at once in the evaluation methods (DL4J's
+        evaluation workers; default 4)."""
+        if not _is_int(workers) or workers < 1:
+            raise ValueError(f"setDefaultEvaluationWorkers takes an integer >= 1, got {workers!r}")
+        self._eval_workers = int(workers)
+
+    def getDefaultEvaluationWorkers(self) -> int:
+        """See :meth:`setDefaultEvaluationWorkers`."""
+        return self._eval_workers
+
+    def getLearningRate(self, layer=None) -> float:
+        """The updater's current learning rate. The network's optax updater must expose it:
+        build it with ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)`` (its state
+        holds the rate, a schedule's value included). ``layer`` is accepted for DL4J's
+        ``getLearningRate(layerIdx)``: one updater serves every layer here."""
+        import jax
+
+        found = []
+
+        def visit(node):
+            hp = getattr(node, "hyperparams", None)
+            if isinstance(hp, dict) and "learning_rate" in hp:
+                found.append(float(np.asarray(hp["learning_rate"])))
+            return node
+
+        jax.tree_util.tree_map(visit, self._network.state.opt_state,
+                               is_leaf=lambda n: hasattr(n, "hyperparams"))
+        if not found:
+            raise ValueError("getLearningRate: this network's optax updater does not expose its learning rate; "
+                             "build it with optax.inject_hyperparams, e.g. "
+                             "updater=optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)")
+        return found[0]
+
     def getNetwork(self) -> Network:
         """The dlspark Network (trained in place by ``fit``)."""
         return self._network

@@ -200,3 +200,92 @@ def test_export_list_fit_paths_and_evaluate_with_listeners(sc, cluster, tmp_path
         spark_net.setListeners(print)
     with pytest.raises(ValueError, match="StatsListener\\(None\\) needs a statsStorage"):
         spark_net.setListeners(StatsListener(None))
+
+
+def _short_python_error(excinfo):
+    """The error is one short Python exception raised on the driver, not Spark's Java trace."""
+    e = excinfo.value
+    assert not type(e).__module__.startswith(("py4j", "pyspark")), type(e)
+    assert "Py4JJavaError" not in str(e) and len(str(e).splitlines()) <= 3, str(e)
+
+
+@pytest.mark.slow
+def test_errors_on_the_executors_reach_the_driver_as_one_python_exception(sc):
+    from dlspark.compat import ROC, SparkDl4jMultiLayer
+
+    net = new_net()
+    spark_net = SparkDl4jMultiLayer(sc, net, None)
+    _, test = dlspark.datasets.digits()
+    good = sc.parallelize(test.batches(64), 2)
+    three = sc.parallelize([DataSet(d.features, d.labels[:, :3]) for d in test.batches(64)], 2)
+    with pytest.raises(ValueError, match=r"labels of shape \(\d+, 3\) do not match predictions of shape") as e:
+        spark_net.doEvaluation(three, 64, Evaluation())
+    _short_python_error(e)
+    with pytest.raises(ValueError, match="ROC takes 1 or 2 output columns, got 10; use ROCMultiClass") as e:
+        spark_net.evaluateROC(good)
+    _short_python_error(e)
+    with pytest.raises(ValueError, match=r"got outputs with 10 columns") as e:
+        spark_net.doEvaluation(good, 64, Evaluation(3))
+    _short_python_error(e)
+    narrow = sc.parallelize([DataSet(d.features[:, :60], d.labels) for d in test.batches(64)], 2)
+    with pytest.raises(Exception) as e:
+        spark_net.evaluate(narrow)
+    _short_python_error(e)
+    keyed = sc.parallelize([(i, np.asarray(test.features[i, :60])) for i in range(100)], 2)
+    with pytest.raises(ValueError, match=r"feedForwardWithKey: the RDD's first element does not fit the network: "
+                                         r"the model cannot take features of shape \(64, 60\)") as e:
+        spark_net.feedForwardWithKey(keyed, 64)
+    _short_python_error(e)
+    # the SparkContext and the network are as usable as before
+    assert sc.parallelize(range(10), 2).sum() == 45
+    assert spark_net.evaluate(good).getNumRowCounter() == len(test)
+    ok = sc.parallelize([(i, np.asarray(test.features[i])) for i in range(100)], 2)
+    out = dict(spark_net.feedForwardWithKey(ok, 64).collect())
+    assert np.allclose(out[7], net.output(np.asarray(test.features[7:8]))[0], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_executors_that_cannot_import_dlspark_fail_at_the_first_call(tmp_path):
+    """A script run without PYSPARK_PYTHON: the executors run the `python3` found on PATH, here a
+    virtual environment without dlspark. The first dlspark call raises one Python exception
+    naming PYSPARK_PYTHON and the driver's Python; the SparkContext stays usable."""
+    pytest.importorskip("pyspark")
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent("""
+        import flax.linen as nn
+        import numpy as np
+        from pyspark import SparkConf, SparkContext
+        import dlspark
+        from dlspark.compat import SparkDl4jMultiLayer
+        from dlspark.errors import ExecutorEnvironmentError
+
+        if __name__ == "__main__":
+            sc = SparkContext(conf=SparkConf().setMaster("local[1]").setAppName("bare")
+                              .set("spark.ui.enabled", "false").set("spark.ui.showConsoleProgress", "false"))
+            sc.setLogLevel("ERROR")
+            net = dlspark.Network(dlspark.Model.from_flax(nn.Dense(2), np.zeros((1, 4), np.float32)))
+            try:
+                SparkDl4jMultiLayer(sc, net, None)
+            except ExecutorEnvironmentError as e:
+                print("RAISED:" + str(e))
+            print("STILL USABLE:", sc.parallelize(range(4), 1).map(lambda x: x + 1).sum())
+            sc.stop()
+            SparkDl4jMultiLayer(SparkContext(conf=SparkConf().setMaster("local[1]").set("spark.ui.enabled", "false")),
+                                net, None)  # uncaught: how a script ends
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+    env["PATH"] = f"{bare / 'bin'}{os.pathsep}{env['PATH']}"
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    out = run.stdout
+    assert "RAISED:" in out, (out, run.stderr[-3000:])
+    message = out.split("RAISED:", 1)[1].split("STILL USABLE")[0]
+    assert "cannot import dlspark" in message and "ModuleNotFoundError" in message
+    assert "PYSPARK_PYTHON" in message and sys.executable in message and str(bare) in message
+    assert "STILL USABLE: 10" in out
+    assert run.returncode != 0
+    assert run.stderr.rstrip().splitlines()[-1].startswith("dlspark.errors.ExecutorEnvironmentError: ")
+    assert "Py4JJavaError" not in run.stderr

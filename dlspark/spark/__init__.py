@@ -19,15 +19,20 @@ contract in ``pyproject.toml`` keeps it so). Functions that run on executors are
 module-level, so that executors import them by name (dlspark must be installed
 in the executors' Python). An element of the wrong kind found by an action comes
 back to the driver as a ``TypeError`` naming it (a missing minibatch file as the
-core's ``CorruptMinibatchError``); lazy transformations check the RDD's first
-element on the driver and raise inside Spark for a later one.
+core's ``CorruptMinibatchError``, data an evaluation refuses as its ``ValueError``):
+one Python exception, the Spark task itself succeeding. Lazy transformations
+check the RDD's first element on the driver (its kind, and whether the network
+takes its shape) and raise inside Spark for a later one. Before the first job
+on a SparkContext, :func:`check_executors` checks that its executors import the
+driver's dlspark (:mod:`dlspark.spark._environment`).
 """
 
 from ._common import BadElementError, is_rdd
+from ._environment import check_executors
 from ._executor import broadcast_network, calculate_score, do_evaluation, predict_with_keys, score_examples
 from ._source import (DIRECT_MAX_BYTES, SparkRDDSource, collect_paths, direct_limit, direct_minibatches,
                       export_minibatches)
 
 __all__ = ["SparkRDDSource", "is_rdd", "collect_paths", "export_minibatches", "direct_minibatches",
            "direct_limit", "broadcast_network", "do_evaluation", "predict_with_keys", "score_examples",
-           "calculate_score", "DIRECT_MAX_BYTES", "BadElementError"]
+           "calculate_score", "DIRECT_MAX_BYTES", "BadElementError", "check_executors"]

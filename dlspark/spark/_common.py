@@ -4,7 +4,6 @@ and errors found on executors carried back to the driver as themselves."""
 from __future__ import annotations
 
 from ..data import DataSet, MultiDataSet
-from ..errors import DlsparkError
 
 __all__ = ["is_rdd", "BadElementError"]
 
@@ -32,7 +31,14 @@ class _Failure:
         self.error = error
 
     def __reduce__(self):
-        return (_Failure, (self.error,))
+        import pickle
+
+        try:
+            pickle.dumps(self.error)
+            error = self.error
+        except Exception:  # an error that does not pickle comes back as its type's name and message
+            error = RuntimeError(f"{type(self.error).__name__}: {self.error}")
+        return (_Failure, (error,))
 
 
 def _type_name(x) -> str:
@@ -52,10 +58,12 @@ def _raise_failures(results):
 
 
 def _guarded(gen):
-    """Yield ``gen``'s items; an element error or a dlspark error becomes a _Failure item."""
+    """Yield ``gen``'s items; an error (a bad element, a dlspark error, data the network or an
+    evaluation refuses) becomes a _Failure item, raised on the driver as itself: Spark's task
+    succeeds, so the user sees one Python exception and the SparkContext stays as it was."""
     try:
         yield from gen
-    except (BadElementError, DlsparkError) as e:
+    except Exception as e:
         yield _Failure(e)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from .._inference import (_check_evaluations, _network, evaluate_part, merge_evaluations, network_blob,
                           stack_examples, unstack_outputs)
 from ..data import load_ref
+from ._environment import check_executors
 from ._common import (_DATASETS, _FIT_KINDS, BadElementError, _bad, _Failure, _guarded, _probe, _raise_failures,
                       _type_name)
 
@@ -144,6 +145,7 @@ def do_evaluation(rdd, network, evaluations, batch_size: int = 64, threads: int 
         Which output of a multi-output network to evaluate (against the labels of the
         same index); a multi-output network without it is refused.
     """
+    check_executors(rdd.context)
     evaluations = list(evaluations)
     _check_evaluations(evaluations)
     if rdd.getNumPartitions() == 0:
@@ -183,9 +185,39 @@ def _keyed_problem(with_mask, x):
     return None
 
 
+def _spec(v) -> str:
+    """Shapes and dtypes of one example's features (an array or a tuple of arrays), as JSON."""
+    import json
+
+    arrays = v if isinstance(v, (tuple, list)) else [v]
+    return json.dumps([[list(np.shape(a)), np.asarray(a).dtype.str] for a in arrays] + [isinstance(v, (tuple, list))])
+
+
 def _describe_keyed(with_mask, x):
     problem = _keyed_problem(with_mask, x)
-    return "!" + problem if problem else "keyed"
+    if problem:
+        return "!" + problem
+    v = x[1]
+    return "keyed:" + (_spec(v[0]) + "|" + _spec(v[1]) if with_mask else _spec(v))
+
+
+def _check_takes(network, described, what, batch_size):
+    """On the driver: the network takes features shaped as the RDD's first element's (``described``,
+    from :func:`_spec`), else a ValueError naming them, before any task runs."""
+    import json
+
+    import jax
+
+    def structs(text):
+        *arrays, is_tuple = json.loads(text)
+        out = [jax.ShapeDtypeStruct((batch_size, *shape), np.dtype(dtype)) for shape, dtype in arrays]
+        return tuple(out) if is_tuple else out[0]
+
+    feats, _, mask = described.partition("|")
+    try:
+        network._output_shapes(structs(feats), structs(mask) if mask else None)
+    except ValueError as e:
+        raise ValueError(f"{what}: the RDD's first element does not fit the network: {e}") from None
 
 
 def _pad_rows(tree, n):
@@ -238,7 +270,11 @@ def predict_with_keys(rdd, network, batch_size: int = 64, with_mask: bool = Fals
     a multi-input network takes a tuple of arrays, a multi-output network gives a tuple.
     The first element is checked on the driver (only its verdict comes back).
     """
-    _probe(rdd, partial(_describe_keyed, with_mask))
+    check_executors(rdd.context)
+    kind = _probe(rdd, partial(_describe_keyed, with_mask))
+    if kind is not None:
+        _check_takes(network, kind[len("keyed:"):], "feedForwardWithMaskAndKey" if with_mask else "feedForwardWithKey",
+                     batch_size)
     bc = broadcast_network(rdd.context, network)
     return rdd.mapPartitions(partial(_predict_partition, bc, batch_size, with_mask), preservesPartitioning=True)
 
@@ -303,6 +339,7 @@ def score_examples(rdd, network, batch_size: int = 64):
     DataSets gives an RDD of floats, one per example in order; a pair RDD of
     ``(key, DataSet)`` gives ``(key, loss)`` pairs in the input's partitioning (an array
     for a key whose DataSet holds several examples)."""
+    check_executors(rdd.context)
     kind = _probe(rdd, _describe_scored)
     bc = broadcast_network(rdd.context, network)
     keyed = kind == "keyed"
@@ -325,6 +362,7 @@ def _score_sum_partition(bc, batch_size, iterator):
 def calculate_score(rdd, network, batch_size: int = 64, average: bool = True) -> float:
     """Total loss over an RDD of DataSets, or with ``average`` the mean per example
     (DL4J's ``calculateScore``), summed on the executors."""
+    check_executors(rdd.context)
     bc = broadcast_network(rdd.context, network)
     parts = _raise_failures(rdd.mapPartitions(partial(_score_sum_partition, bc, batch_size)).collect())
     total, n = sum(t for t, _ in parts), sum(c for _, c in parts)

@@ -20,6 +20,7 @@ from ..data import fit_minibatches, register_source, save_dataset
 from ..data._registry import Minibatches, Source
 from ..data._sources import _export_directory
 from ..io import url_join
+from ._environment import check_executors
 from ._common import _DATASETS, _FIT_KINDS, BadElementError, _bad, _guarded, _raise_failures, is_rdd
 
 __all__ = ["SparkRDDSource", "collect_paths", "export_minibatches", "direct_minibatches", "direct_limit",
@@ -54,6 +55,7 @@ def collect_paths(rdd, what: str = "fitPaths") -> list:
     is collected once: Spark keeps its contents, so the strings are kept with it
     until it is unpersisted.
     """
+    check_executors(rdd.context)
     kept = rdd.__dict__.get("_dlspark_paths") if rdd.is_cached else None
     if kept is not None:
         return list(kept)
@@ -122,6 +124,7 @@ def export_minibatches(rdd, directory: str, batch_size: int) -> Minibatches:
     An RDD of paths is returned as it is (its strings collected; nothing is written).
     Each minibatch keeps the RDD partition it came from.
     """
+    check_executors(rdd.context)
     f = partial(_export_partition, directory, batch_size)
     return _minibatches_of(_raise_failures(rdd.mapPartitionsWithIndex(f).collect()), "fit")
 
@@ -182,6 +185,7 @@ def direct_minibatches(rdd, ctx) -> Minibatches:
     Refused with a ``ValueError`` when the RDD holds more than :func:`direct_limit` bytes of
     arrays: use the export approach for those. An RDD of paths trains from the paths.
     """
+    check_executors(rdd.context)
     described = _raise_failures(rdd.mapPartitions(_describe_partition).collect())
     kinds = {k for ks, _ in described for k in ks}
     if kinds == {"str"}:
