@@ -22,6 +22,15 @@ from .stats import TrainingStats
 __all__ = ["DistributedTrainer"]
 
 
+def _named_columns(data, features, labels):
+    """``data`` with its columns named, where ``features`` or ``labels`` are given (a DataFrame)."""
+    if features is None and labels is None:
+        return data
+    from .data._frames import frame_columns
+
+    return frame_columns(data, features, labels)
+
+
 class DistributedTrainer:
     """Train a :class:`~dlspark.Network` data-parallel on a Dask cluster.
 
@@ -166,9 +175,10 @@ class DistributedTrainer:
     # -- training --------------------------------------------------------------
     def fit(self, data, epochs: int = 1, *, checkpoint_every: int | None = None, checkpoint_url: str | None = None,
             resume_from: str | None = None, callbacks=(), progress: bool | None = None,
-            storage_options: dict | None = None) -> Network:
+            storage_options: dict | None = None, features=None, labels=None) -> Network:
         """Train on ``data``: a DataSet, a ``(features, labels)`` pair, a list of DataSets,
-        a pair of dask arrays, a dask bag of DataSets, or any registered data source.
+        a pair of dask arrays, a dask bag of DataSets, a dask or pandas DataFrame with
+        ``features`` and ``labels`` naming its columns, or any registered data source.
 
         Parameters
         ----------
@@ -183,6 +193,10 @@ class DistributedTrainer:
         storage_options : dict, optional
             fsspec options (credentials, endpoint) for the master's ``export_directory``,
             ``checkpoint_url`` and ``resume_from``, used on the client and workers.
+        features, labels : str or list of str, optional
+            The feature and label columns of a DataFrame ``data``
+            (:func:`dlspark.data.frame_columns`): each partition is cut into minibatches
+            on the worker that holds it.
 
         Returns
         -------
@@ -190,6 +204,7 @@ class DistributedTrainer:
             ``self.network``, trained.
         """
         check_fit_args(self.master, epochs, checkpoint_every, checkpoint_url)
+        data = _named_columns(data, features, labels)
         # the files of an earlier fit of the same data (by content) are trained from again
         t_export = time.time()
         m = self._exports.minibatches(data, SourceContext(
@@ -203,8 +218,9 @@ class DistributedTrainer:
 
     def fit_paths(self, paths, epochs: int = 1, loader=None, *, storage_options: dict | None = None,
                   checkpoint_every: int | None = None, checkpoint_url: str | None = None,
-                  resume_from: str | None = None, callbacks=(), progress: bool | None = None) -> Network:
-        """Train from minibatch files (DL4J's ``fitPaths``).
+                  resume_from: str | None = None, callbacks=(), progress: bool | None = None,
+                  features=None, labels=None) -> Network:
+        """Train from minibatch files (DL4J's ``fitPaths``), or from Parquet files by column name.
 
         Parameters
         ----------
@@ -217,7 +233,17 @@ class DistributedTrainer:
         storage_options : dict, optional
             fsspec options (credentials, endpoint) for ``paths``, ``checkpoint_url`` and
             ``resume_from``, used on the client and workers.
+        features, labels : str or list of str, optional
+            Column names: ``paths`` are then Parquet files, read by the workers row
+            group by row group (:func:`dlspark.data.parquet_columns`).
         """
+        if features is not None:  # Parquet files: the workers read their row groups
+            from .data._frames import parquet_columns
+
+            return self.fit(parquet_columns(paths, features, labels, storage_options), epochs,
+                            checkpoint_every=checkpoint_every, checkpoint_url=checkpoint_url,
+                            resume_from=resume_from, callbacks=callbacks, progress=progress,
+                            storage_options=storage_options)
         check_fit_args(self.master, epochs, checkpoint_every, checkpoint_url)
         refs = path_minibatches(paths, storage_options)
         if loader is not None and not callable(loader):
@@ -238,13 +264,14 @@ class DistributedTrainer:
         return future
 
     def do_evaluation(self, data, batch_size: int | None = None, *evaluations, loader=None,
-                      storage_options: dict | None = None, output: int | None = None):
+                      storage_options: dict | None = None, output: int | None = None, features=None, labels=None):
         """Fill several evaluations in one pass over ``data`` (what ``fit`` or ``fit_paths`` take):
         each worker evaluates its share, the partial evaluations merge on the workers. A
         multi-output network is evaluated one output at a time: ``output`` picks it (the
         evaluate methods take it too)."""
         if batch_size is not None:
             positive_int("batch_size", batch_size)
+        data = _named_columns(data, features, labels)
         return _inf.do_evaluation(self.client, self._network_future(), data, evaluations,
                                   batch_size or self.eval_batch_size, loader=loader, storage_options=storage_options,
                                   threads=self.eval_num_workers, n_workers=len(self._workers()), output=output)

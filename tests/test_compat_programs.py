@@ -211,7 +211,7 @@ def _short_python_error(excinfo):
 
 @pytest.mark.slow
 def test_errors_on_the_executors_reach_the_driver_as_one_python_exception(sc):
-    from dlspark.compat import ROC, SparkDl4jMultiLayer
+    from dlspark.compat import SparkDl4jMultiLayer
 
     net = new_net()
     spark_net = SparkDl4jMultiLayer(sc, net, None)

@@ -54,8 +54,9 @@ def check_executors(sc) -> None:
     the driver's version of dlspark; runs one small Spark job per SparkContext."""
     if sc in _CHECKED:
         return
-    import dlspark
-
+    # this module is part of dlspark, so the package is imported; read its version without an
+    # import of the top package from below it
+    dlspark = sys.modules["dlspark"]
     fix = (f"set PYSPARK_PYTHON to a Python with dlspark {dlspark.__version__} installed before the "
            f"SparkContext starts, e.g. the driver's own: export PYSPARK_PYTHON={sys.executable} (or "
            f"os.environ['PYSPARK_PYTHON'] = sys.executable in the script), or install dlspark in the "
