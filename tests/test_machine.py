@@ -51,6 +51,8 @@ class Player:
         if isinstance(event, Joined) and any(isinstance(i, Emit) and i.msg["event"] == "joined" for i in out):
             self.alive.add(event.worker)
         for i in out:
+            if isinstance(i, Emit) and i.msg["event"] == "partitioned":  # left the job, alive
+                self.alive.discard(i.msg["worker"])
             if isinstance(i, Send):
                 self.inflight[i.seq] = i
                 if isinstance(i.order, FitOrder):
@@ -251,26 +253,52 @@ def unreachable_fit(peer, contributors):
 
 
 def test_a_live_peer_named_unreachable_is_probed_and_the_round_re_driven_a_bounded_number_of_times():
-    settings = Settings(extra_attempts=2)
+    """Failures that pass (each pair of workers failing once) re-drive the round over the same
+    workers; past the bound the job fails, naming the pairs."""
+    settings = Settings(extra_attempts=0)
     p = Player("averaging", n=6, settings=settings)
     p.start()
     p.answer(p.order("a"), unreachable_fit("b", ("a", "b", "c")))
     p.answer(p.order("b"))
     assert p.answer(p.order("c")) == [Probe("b")]
     attempts = []
-    for _ in range(3 + settings.extra_attempts):
-        out = p.probed("b", True)
+    for reporter, peer in [("b", "c"), ("c", "a"), ("b", "a")]:  # each pair once: passing failures
+        out = p.probed(p.log[-1].worker, True)
         assert sorted((s.worker, s.order.contributors) for s in sends(out)) == [(w, ("a", "b", "c")) for w in "abc"]
         (attempt,) = {s.order.attempt for s in sends(out)}
         attempts.append(attempt)
-        p.answer(p.order("a"), AverageReply(unreachable=("b",), ok=False, contributors=("a", "b", "c")))
-        p.answer(p.order("b"))
-        assert p.answer(p.order("c")) == [Probe("b")]
-    assert attempts == [1, 2, 3, 4, 5]
-    (fail,) = p.probed("b", True)
+        for w in "abc":
+            reply = AverageReply(unreachable=(peer,), ok=False, contributors=("a", "b", "c")) if w == reporter else None
+            out = p.answer(p.order(w), reply) if reply else p.answer(p.order(w))
+        assert out == [Probe(peer)]
+    assert attempts == [1, 2, 3]
+    (fail,) = p.probed("a", True)
     assert isinstance(fail, Fail)
     assert "round 1" in fail.error.text and "could not be averaged" in fail.error.text
-    assert p.feed(Probed("b", True)) == []
+    assert "a could not reach b" in fail.error.text and "b could not reach a" in fail.error.text
+    assert p.feed(Probed("a", True)) == []
+
+
+def test_two_live_workers_that_cannot_reach_each_other_twice_in_a_round_lose_one_side():
+    p = Player("averaging", n=6)
+    p.start()
+    p.answer(p.order("a"), unreachable_fit("b", ("a", "b", "c")))
+    p.answer(p.order("b"), unreachable_fit("a", ("a", "b", "c")))
+    assert p.answer(p.order("c")) == [Probe("a"), Probe("b")]
+    p.probed("a", True)
+    out = p.probed("b", True)  # once: it may pass, the same workers try again
+    assert sorted((s.worker, s.order) for s in sends(out)) == [(w, AverageOrder(1, ("a", "b", "c"), 1)) for w in "abc"]
+    p.answer(p.order("a"), AverageReply(unreachable=("b",), ok=False, contributors=("a", "b", "c")))
+    p.answer(p.order("b"), AverageReply(unreachable=("a",), ok=False, contributors=("a", "b", "c")))
+    p.answer(p.order("c"))
+    p.probed("a", True)
+    out = p.probed("b", True)  # twice: a partition between them; the later address leaves the job
+    assert [i.msg for i in out if isinstance(i, Emit)] == [{"event": "partitioned", "worker": "b",
+                                                            "unreachable_from": ["a"]}]
+    assert sorted((s.worker, s.order) for s in sends(out)) == [(w, AverageOrder(1, ("a", "c"), 2)) for w in "ac"]
+    end = p.play()
+    assert isinstance(end, Finish) and end.result.workers == ("a", "c") and end.result.trained == 6
+    p.assert_each_minibatch_once_per_epoch(1)
 
 
 def test_a_peer_the_coordinator_cannot_reach_either_is_dropped():

@@ -21,7 +21,12 @@ The rules
   is dropped if the machine cannot reach it either; otherwise the failure passed
   and the driver re-drives the round over the same workers, with the next attempt
   number. A round re-driven more than ``its workers + extra_attempts`` times fails
-  the job with the driver's reason.
+  the job with the driver's reason and the pairs of workers that could not reach
+  each other.
+- Two workers that cannot reach each other while the coordinator reaches both (a
+  network partition between them) fail the same round twice: one of them (the
+  one in most such pairs, else the later address) is dropped from the job, which
+  goes on without it, as with a lost worker.
 - A worker that arrives mid-fit joins at the start of the next round, set up from
   a live peer's state; a join that keeps failing is given up after
   ``join_attempts`` tries and reported.
@@ -116,6 +121,8 @@ class JobMachine:
         self.started = 0.0
         self.batch: _Batch | None = None
         self.probing: set = set()
+        self.reported: set = set()  # (worker, peer it could not reach) of the batch being probed
+        self.pairs: dict = {}  # (worker, live peer it could not reach) -> times in this round
         self.seq = 0
         self.rngs: dict = {}
         self.writers: list = []
@@ -291,6 +298,7 @@ class JobMachine:
                                      self.driver.result_state(sorted(self.live))))]
         hint = self.planner.peek_round(self.live)
         self.attempt = 0
+        self.pairs = {}
         self.started = self.now
         return self._send("round", self.driver.begin(self.plan, hint, frozenset(self.live)))
 
@@ -329,6 +337,7 @@ class JobMachine:
         unreachable, then move on."""
         b = self.batch
         named = {p for r in b.replies.values() for p in r.unreachable} & self.live
+        self.reported = {(w, p) for w, r in b.replies.items() for p in r.unreachable if p in self.live}
         if named:
             self.probing = set(named)
             b.lost |= named  # a fault either way: the round is re-driven
@@ -340,7 +349,11 @@ class JobMachine:
         if event.worker not in self.probing:
             return []
         self.probing.discard(event.worker)
-        if not event.alive:
+        if event.alive:  # the coordinator reaches it, and a peer did not
+            for pair in self.reported:
+                if pair[1] == event.worker:
+                    self.pairs[pair] = self.pairs.get(pair, 0) + 1
+        else:
             self.live.discard(event.worker)
             if self.batch is not None:
                 self.batch.replies.pop(event.worker, None)
@@ -354,14 +367,35 @@ class JobMachine:
             return self._checkpoint_step()
         if not self.live:
             raise JobFailedError(f"job {self.job}: every worker was lost")
+        out = []
         if b.lost:
+            out = self._split_partition()
             self.attempt += 1
             if self.attempt > len(self.plan.assignment) + self.settings.extra_attempts:
-                raise JobFailedError(f"job {self.job}: round {self.plan.round}: {self.driver.failure}")
+                pairs = "; ".join(f"{a} could not reach {p}" for a, p in sorted(self.pairs))
+                raise JobFailedError(f"job {self.job}: round {self.plan.round}: {self.driver.failure}"
+                                     + (f" ({pairs}, while the coordinator reached both)" if pairs else ""))
         step = self.driver.step(b.replies, frozenset(self.live), self.attempt)
         if not isinstance(step, RoundDone):
-            return self._send("round", step)
-        return self._round_done(step)
+            return out + self._send("round", step)
+        return out + self._round_done(step)
+
+    def _split_partition(self):
+        """Drop one side of a pair of live workers that failed to reach each other twice in
+        this round while the coordinator reached both: re-driving it again would fail again."""
+        lasting = [pair for pair, n in self.pairs.items() if n >= 2 and set(pair) <= self.live]
+        if not lasting:
+            return []
+        count: dict = {}
+        for pair in lasting:
+            for w in pair:
+                count[w] = count.get(w, 0) + 1
+        victim = max(count, key=lambda w: (count[w], w))
+        self.live.discard(victim)
+        self.batch.replies.pop(victim, None)
+        self.pairs = {pair: n for pair, n in self.pairs.items() if victim not in pair}
+        others = sorted({w for pair in lasting if victim in pair for w in pair} - {victim})
+        return [Emit({"event": "partitioned", "worker": victim, "unreachable_from": others})]
 
     def _round_done(self, done: RoundDone):
         contributors = [w for w in done.contributors if w in self.live]

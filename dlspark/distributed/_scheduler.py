@@ -143,6 +143,9 @@ class _JobShell:
     def _do_Emit(self, i: Emit):
         if i.msg.get("event") == "join-failed":
             logger.warning("dlspark job %s: worker %s could not join: %s", self.job, i.msg["worker"], i.msg["error"])
+        if i.msg.get("event") == "partitioned":
+            logger.warning("dlspark job %s: dropping worker %s, which %s cannot reach while the coordinator reaches "
+                           "both", self.job, i.msg["worker"], ", ".join(i.msg["unreachable_from"]))
         self.scheduler.log_event(f"dlspark-{self.job}", i.msg)
         if i.msg.get("event") == "round":
             t = self.stats.now()
