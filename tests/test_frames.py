@@ -1,0 +1,192 @@
+"""DataFrames and Parquet files as training data, by column name."""
+
+import os
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import optax
+import pandas as pd
+import pyarrow as pa
+import pytest
+from conftest import MLP, accuracy
+
+import dlspark
+from dlspark import DistributedTrainer, ParameterAveraging
+from dlspark.data import SourceContext, fit_minibatches, frame_columns, keyed_rows, parquet_columns
+from dlspark.evaluation import Evaluation
+
+FEATURES = [f"x{i}" for i in range(64)]
+
+
+def digits_frame(ds, npartitions=4):
+    df = pd.DataFrame(np.asarray(ds.features), columns=FEATURES)
+    df["label"] = np.asarray(ds.labels).argmax(1).astype(np.int64)
+    return dd.from_pandas(df, npartitions=npartitions)
+
+
+def _bad_frame():
+    df = pd.DataFrame({"a": np.arange(4.0), "y": np.arange(4), "name": ["p", "q", "r", "s"]})
+    df["ragged"] = pd.Series([[1.0], [1.0, 2.0], [], [3.0]], dtype=pd.ArrowDtype(pa.list_(pa.float32())))
+    df["fixed"] = pd.Series([[1.0, 2.0]] * 4, dtype=pd.ArrowDtype(pa.list_(pa.float32(), 2)))
+    return dd.from_pandas(df, npartitions=2)
+
+
+# -- checked against the schema, before any cluster work ------------------------------------
+def test_a_missing_column_is_named_with_the_frame_columns():
+    with pytest.raises(ValueError, match=r"feature column 'b' is not in the frame; its columns are \['a', 'y', "):
+        frame_columns(_bad_frame(), ["a", "b"], "y")
+    with pytest.raises(ValueError, match="label column 'label' is not in the frame"):
+        frame_columns(_bad_frame(), ["a"], ["label"])
+
+
+def test_a_non_numeric_column_is_named_with_what_is_allowed():
+    with pytest.raises(TypeError, match=r"feature column 'name' has dtype .*str.*, which is not numeric; allowed "
+                                        r"are numeric columns \(bool, integer, float\), pyarrow fixed-size lists"):
+        frame_columns(_bad_frame(), ["a", "name"], "y")
+
+
+def test_a_ragged_array_column_is_refused_with_the_fixed_size_form():
+    with pytest.raises(ValueError, match=r"feature column 'ragged' holds lists of varying length \(list<item: float>\)"
+                                         r".*allowed are fixed-size lists"):
+        frame_columns(_bad_frame(), ["a", "ragged"], "y")
+    cols = frame_columns(_bad_frame(), ["a", "fixed"], "y")  # fixed-size: three features an example
+    assert [(c.name, c.width) for c in cols.features] == [("a", 0), ("fixed", 2)]
+
+
+def test_an_empty_frame_is_refused(digits):
+    empty = pd.DataFrame({"a": np.zeros(0), "y": np.zeros(0, np.int64)})
+    with pytest.raises(ValueError, match=r"the frame has no rows \(columns \['a', 'y'\]\)"):
+        frame_columns(empty, "a", "y")
+    # a dask frame's rows are counted where they are, once cut: none gives the same error, before any step
+    net = dlspark.Network(dlspark.Model.from_flax(MLP(), np.zeros((1, 1), np.float32)))
+    with pytest.raises(ValueError, match="the frame has no rows"):
+        net.fit(frame_columns(dd.from_pandas(empty, npartitions=2), "a", "y"))
+
+
+def test_a_bare_dask_frame_gets_the_call_that_names_its_columns():
+    with pytest.raises(TypeError, match=r"a dask DataFrame needs its columns named: fit\(ddf, features="):
+        fit_minibatches(_bad_frame(), SourceContext())
+
+
+def test_columns_become_examples_and_class_ids(digits):
+    tr, _ = digits
+    cols = frame_columns(digits_frame(tr[:100], 2), FEATURES, "label")
+    from dlspark.data._frames import frame_arrays
+
+    x, y = frame_arrays(cols.frame.compute(), cols.features, cols.labels)
+    np.testing.assert_array_equal(x, np.asarray(tr.features[:100], np.float32))
+    assert y.dtype == np.int32 and y.tolist() == np.asarray(tr.labels[:100]).argmax(1).tolist()
+    x2, y2 = frame_arrays(_bad_frame().compute(), frame_columns(_bad_frame(), ["fixed", "a"], None).features, None)
+    assert x2.shape == (4, 3) and y2 is None and x2[2].tolist() == [1.0, 2.0, 2.0]
+
+
+def test_a_local_fit_from_a_frame_one_partition_at_a_time(digits, make_net):
+    tr, te = digits
+    net = make_net()
+    net.fit(frame_columns(digits_frame(tr), FEATURES, "label"), epochs=3, batch_size=32)
+    assert accuracy(net, te) >= 0.9
+
+
+# -- on the shared two-worker cluster -------------------------------------------------------
+@pytest.mark.slow
+def test_fit_evaluate_and_keyed_inference_from_a_dask_frame(client2, make_net, digits):
+    tr, te = digits
+    net = make_net(MLP(hidden=128), updater=optax.adam(5e-3))
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2),
+                                 progress=False)
+    trainer.fit(digits_frame(tr), epochs=6, features=FEATURES, labels="label")
+    assert accuracy(net, te) >= 0.93
+    test_frame = digits_frame(te, 3)
+    ev = trainer.evaluate(test_frame, features=FEATURES, labels=["label"])
+    local = Evaluation()
+    local.update(np.asarray(te.labels), net.output(te.features))
+    assert ev.count == len(te) and ev.confusion_matrix().tolist() == local.confusion_matrix().tolist()
+    # keyed inference: the frame's index keys the outputs
+    shuffled = test_frame.sample(frac=1.0, random_state=0)
+    out = dict(trainer.predict_with_keys(keyed_rows(shuffled, FEATURES)).compute())
+    assert sorted(out) == list(range(len(te)))
+    want = net.output(te.features)
+    np.testing.assert_allclose(np.stack([out[i] for i in range(len(te))]), want, rtol=1e-5, atol=1e-5)
+    trainer.close()
+
+
+@pytest.mark.slow
+def test_parquet_on_s3_trains_and_evaluates_from_the_workers(client2, make_net, digits):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server._server.server_address
+        opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}",
+                                                                          "region_name": "us-east-1"}}
+        import boto3
+
+        boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
+                     **opts["client_kwargs"]).create_bucket(Bucket="dlspark-pq")
+        tr, te = digits
+        # 5 files, each of several row groups: minibatches are cut across a file's row groups
+        digits_frame(tr, 5).to_parquet("s3://dlspark-pq/train", storage_options=opts, write_index=False,
+                                       row_group_size=100)
+        digits_frame(te, 2).to_parquet("s3://dlspark-pq/test", storage_options=opts, write_index=False)
+        net = make_net(MLP(hidden=128), updater=optax.adam(5e-3))
+        trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2),
+                                     progress=False)
+        trainer.fit_paths("s3://dlspark-pq/train/*.parquet", epochs=6, features=FEATURES, labels="label",
+                          storage_options=opts)
+        assert accuracy(net, te) >= 0.93
+        ev = trainer.evaluate(parquet_columns("s3://dlspark-pq/test/*.parquet", FEATURES, "label", opts))
+        assert ev.count == len(te) and ev.accuracy() == pytest.approx(accuracy(net, te))
+        with pytest.raises(ValueError, match="label column 'lbl' is not in the frame; its columns are"):
+            trainer.fit_paths("s3://dlspark-pq/train/*.parquet", features=FEATURES, labels="lbl", storage_options=opts)
+        trainer.close()
+    finally:
+        server.stop()
+
+
+def _generated_partition(i, rows, width):
+    rng = np.random.default_rng(i)
+    x = rng.normal(size=(rows, width)).astype(np.float32)
+    df = pd.DataFrame(x, columns=[f"f{j}" for j in range(width)])
+    df["y"] = (x[:, 0] > 0).astype(np.int64)
+    return df
+
+
+def _rss():
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+@pytest.mark.slow
+def test_a_frame_generated_on_the_workers_never_reaches_the_client(client2, digits):
+    # 8 partitions of 8192 rows x 512 float32 columns, 16 MiB each (128 MiB in all): a size that
+    # fits a shared 2-core test machine; the client's resident memory must grow by less than 1.5
+    # partitions over the fit.
+    import jax.numpy as jnp
+
+    rows, width = 8192, 512
+    part_bytes = rows * width * 4
+    meta = _generated_partition(0, 0, width)
+    ddf = dd.from_map(_generated_partition, list(range(8)), rows=rows, width=width, meta=meta)
+    cols = [f"f{j}" for j in range(width)]
+
+    def init(rng, x):
+        return {"w": jnp.zeros((x.shape[-1], 2))}
+
+    def apply(v, x, train, rng):
+        return x @ v["w"]
+
+    net = dlspark.Network(dlspark.Model(init, apply, np.zeros((1, width), np.float32)), updater=optax.sgd(0.01))
+    trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=512, averaging_frequency=4),
+                                 progress=False)
+    small = dd.from_map(_generated_partition, [100, 101], rows=64, width=width, meta=meta)
+    trainer.fit(small, features=cols, labels="y")  # the same path once, warm (imports, compiled programs)
+    before = _rss()
+    trainer.fit(ddf, features=cols, labels="y")
+    grew = _rss() - before
+    assert net.iteration > 128
+    assert grew < 1.5 * part_bytes, f"the client grew by {grew / 2**20:.1f} MiB, a partition is {part_bytes / 2**20} MiB"
+    trainer.close()
+    assert dask.is_dask_collection(ddf)
