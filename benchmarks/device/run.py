@@ -67,8 +67,11 @@ FULL_BUDGET_S = sum(c["budget_s"] for c in FULL.values())
 GRACE_S = 10
 
 
-def _env_for(section: str, dry_run: bool, pythonpath: str | None) -> dict:
+def _env_for(section: str, dry_run: bool, pythonpath: str | None, cache: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if "JAX_COMPILATION_CACHE_DIR" not in env:
+        # every measurement starts several processes that compile the same step: compile it once
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     if dry_run or section in ("many_core", "network"):
@@ -187,6 +190,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", nargs="+", choices=ORDER,
                     help="run these sections alone, sharing a full run's time among them")
     ap.add_argument("--install-only", action="store_true", help="install (if needed), check the imports, stop")
+    ap.add_argument("--budget-scale", type=float, default=1.0,
+                    help="multiply every section's time budget (for a slow or loaded machine)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "device.json")
@@ -207,12 +212,13 @@ def main(argv=None) -> dict:
         return report
     env_path = report["install"].get("pythonpath")
     names = args.only or ORDER
-    scale = 1.0 if args.dry_run else FULL_BUDGET_S / sum(plan[n]["budget_s"] for n in names)
-    with open(os.path.join(args.out, "device.log"), "w") as log:
+    scale = args.budget_scale * (1.0 if args.dry_run else FULL_BUDGET_S / sum(plan[n]["budget_s"] for n in names))
+    with open(os.path.join(args.out, "device.log"), "w") as log, tempfile.TemporaryDirectory() as cache:
         for name in names:
             config = dict(plan[name], dry_run=args.dry_run, budget_s=round(plan[name]["budget_s"] * scale))
             print(f"{name}: up to {config['budget_s']} s", flush=True)
-            report["sections"][name] = run_section(name, config, _env_for(name, args.dry_run, env_path), log)
+            env = _env_for(name, args.dry_run, env_path, cache)
+            report["sections"][name] = run_section(name, config, env, log)
             print(f"{name}: {report['sections'][name]['status']} in {report['sections'][name]['seconds']} s", flush=True)
             _save(path, report)
     report["seconds"] = round(time.monotonic() - t0, 1)

@@ -346,7 +346,7 @@ def namespace_probe() -> dict:
     pair into it, and a ``tc tbf`` rate limit; everything made here is removed again."""
     if shutil.which("ip") is None:
         return {"ok": False, "reason": "the ip command (iproute2) is not installed"}
-    tag = f"dlsdev{os.getpid() % 100000}"
+    tag = f"devprobe{os.getpid() % 100000}"  # not dlspark.testing's prefix: its sweep leaves it alone
     steps = [("netns", ("ip", "netns", "add", tag)),
              ("veth", ("ip", "link", "add", tag + "a", "type", "veth", "peer", "name", tag + "b")),
              ("veth_into_netns", ("ip", "link", "set", tag + "b", "netns", tag)),
