@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: where each importable package's files live (dlspark.compat is mapped to compat/)
@@ -145,3 +148,25 @@ def test_the_spark_source_is_registered_from_the_bridge_and_old_names_still_impo
     from dlspark.compat import _networks
 
     assert _networks._spark is spark
+
+
+def _run(args, **kw):
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240, **kw)
+
+
+def test_the_import_contracts_hold():
+    # .importlinter: the core imports no runtime and not the Spark bridge; the runtimes import no
+    # algorithm package by name; no loop between sibling packages
+    linter = pathlib.Path(sys.executable).with_name("lint-imports")
+    done = _run([str(linter) if linter.exists() else "lint-imports", "--no-cache"])
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report
+    kept = re.search(r"Contracts: (\d+) kept, (\d+) broken", report)
+    assert kept and int(kept.group(1)) >= 3 and kept.group(2) == "0", report
+
+
+def test_mypy_passes_on_the_typed_contracts(tmp_path):
+    # the files and settings are [tool.mypy] in pyproject.toml
+    done = _run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "mypy")])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"Success: no issues found in [1-9]\d* source files", done.stdout), done.stdout

@@ -48,7 +48,7 @@ def install_plugins(client, pin: bool):
 def check_epochs_and_checkpoints(epochs, checkpoint_every, checkpoint_url):
     """A fit's ``epochs``, and ``checkpoint_every`` and ``checkpoint_url`` (both or neither; a
     local URL must be writable), as both trainers take them."""
-    from ..algorithms._base import positive_int
+    from .._validate import positive_int
     from ..io import check_writable
 
     positive_int("epochs", epochs)
