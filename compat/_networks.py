@@ -182,14 +182,24 @@ class _SparkNetwork:
             self._score = float(losses[-1])
         return self._network
 
-    def fit(self, data):
+    def fit(self, data, featuresCol=None, labelCol=None):
         """Train one epoch on ``data``: an RDD of DataSets (or MultiDataSets, or minibatch
         paths), or a directory (or glob) of minibatch files; returns the trained Network.
+
+        A Spark DataFrame trains from its ``featuresCol`` and ``labelCol`` columns
+        (numbers, arrays or Spark ML vectors; dlspark's extension: DL4J takes RDDs):
+        the executors turn the rows into DataSets and write the minibatch files.
 
         An RDD of DataSets is exported by the executors to minibatch files of
         ``batchSizePerWorker`` examples (``RDDTrainingApproach.Export``); fitting the same RDD
         again reuses those files. Anything ``DistributedTrainer.fit`` takes works as well.
         """
+        from ._dataframes import dataframe_datasets, is_spark_dataframe
+
+        if is_spark_dataframe(data):
+            loss = getattr(self._network._loss, "name", None)
+            data = dataframe_datasets(data, featuresCol, labelCol,
+                                      softmax=loss in ("softmax_cross_entropy", "negative_log_likelihood"))
         trainer = self._fit_trainer()
         if isinstance(data, str):
             self._train_paths(trainer, data)
