@@ -527,3 +527,47 @@ def test_the_dask_cluster_comes_from_configure_or_the_spark_conf(cluster):
         dlspark.compat.configure(client=cluster)
         while _cluster._BY_ADDRESS:
             _cluster._BY_ADDRESS.popitem()[1].close()
+
+
+@pytest.mark.slow
+def test_spark_dataframes_train_evaluate_and_infer_through_compat(sc, cluster):
+    # dlspark's extension (DL4J takes RDDs): fit(dataframe, featuresCol, labelCol) with class
+    # indices as doubles (Spark ML's labels); array, dense-vector and sparse-vector columns
+    from pyspark.ml.linalg import Vectors
+    from pyspark.sql import SparkSession
+
+    from dlspark.compat._dataframes import dataframe_datasets, keyed_dataframe
+
+    spark = SparkSession.builder.getOrCreate()
+    train, test = dlspark.datasets.digits()
+
+    def frame(ds):
+        x, ids = np.asarray(ds.features, np.float64), np.asarray(ds.labels).argmax(1)
+        rows = [(i, x[i].tolist(), Vectors.dense(x[i]), Vectors.sparse(64, {int(j): float(x[i, j])
+                                                                          for j in np.flatnonzero(x[i])}),
+                 float(ids[i]), "s") for i in range(len(x))]
+        return spark.createDataFrame(rows, ["id", "array", "dense", "sparse", "label", "text"]).repartition(3)
+
+    train_df, test_df = frame(train), frame(test)
+    net = dlspark.Network(dlspark.Model.from_flax(MLP(hidden=128), np.zeros((1, 64), np.float32)), loss="mcxent",
+                          updater=optax.adam(5e-3))
+    sparkNet = SparkDl4jMultiLayer(sc, net, ParameterAveragingTrainingMaster.Builder(1).batchSizePerWorker(16).build())
+    for _ in range(6):
+        sparkNet.fit(train_df, "array", "label")
+    ev = sparkNet.evaluate(dataframe_datasets(test_df, "sparse", "label", softmax=True))
+    assert ev.accuracy() >= 0.93 and ev.count == len(test)
+    # the three column kinds give the same examples
+    firsts = [dataframe_datasets(test_df.limit(20), c, "label", softmax=True).first() for c in ("array", "dense", "sparse")]
+    for ds in firsts[1:]:
+        np.testing.assert_array_equal(ds.features, firsts[0].features)
+        np.testing.assert_array_equal(ds.labels, firsts[0].labels)
+    assert firsts[0].labels.dtype == np.int32
+    out = dict(sparkNet.feedForwardWithKey(keyed_dataframe(test_df, "id", "dense")).collect())
+    assert sorted(out) == list(range(len(test)))
+    np.testing.assert_allclose(np.stack([out[i] for i in range(len(test))]), net.output(test.features),
+                               rtol=1e-5, atol=1e-5)
+    # bad columns are refused on the driver, from the schema
+    with pytest.raises(ValueError, match=r"labelCol 'y' is not a column of the DataFrame; its columns are \['id'"):
+        sparkNet.fit(train_df, "array", "y")
+    with pytest.raises(TypeError, match="featuresCol 'text' has type string, not numeric; allowed are numbers"):
+        sparkNet.fit(train_df, "text", "label")
