@@ -86,7 +86,8 @@ def _importable(python: str, env=None) -> tuple:
     code = ("import json, dask, distributed, dask.distributed, dlspark, jax; "
             "print(json.dumps({'dask': dask.__version__, 'distributed': distributed.__version__, "
             "'jax': jax.__version__, 'dlspark': dlspark.__file__}))")
-    p = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env)
+    # from / : the tree's own folder on sys.path would make dlspark importable uninstalled
+    p = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, cwd="/")
     return (json.loads(p.stdout.strip().splitlines()[-1]), "") if p.returncode == 0 else (None, p.stderr[-1500:])
 
 
