@@ -129,6 +129,20 @@ def test_the_core_does_not_import_the_spark_bridge_or_the_runtimes():
     assert not {m: d for m, d in bad.items() if d}
 
 
+def test_no_runtime_imports_an_algorithm_package():
+    # every package under dlspark/algorithms/ is an algorithm, found here (a new one is covered
+    # without editing this test); the runtimes reach them only through the dlspark.algorithms base
+    graph = import_graph()
+    packages = sorted(p.parent.name for p in (ROOT / "dlspark" / "algorithms").glob("*/__init__.py"))
+    assert {"averaging", "sharing"} <= set(packages)
+    runtimes = [m for m in graph if m in ("dlspark.parallel", "dlspark.trainer", "dlspark._mesh")
+                or m.startswith(("dlspark.distributed", "dlspark._parallel"))]
+    assert "dlspark.distributed._scheduler" in runtimes and "dlspark.parallel" in runtimes
+    bad = {m: [d for d in graph[m] if d.split(".")[:3] in (["dlspark", "algorithms", p] for p in packages)]
+           for m in runtimes}
+    assert not {m: d for m, d in bad.items() if d}, "runtimes importing an algorithm package"
+
+
 def test_no_module_over_600_lines():
     sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path, _ in _modules().values()}
     assert len(sizes) > 50
