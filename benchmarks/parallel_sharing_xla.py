@@ -28,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import make_data, make_network  # noqa: E402
 
-from dlspark._parallel_averaging import AXIS, _first, _lead  # noqa: E402
+from dlspark._mesh import AXIS  # noqa: E402
+from dlspark._mesh import first as _first  # noqa: E402
+from dlspark._mesh import lead as _lead  # noqa: E402
 from dlspark.algorithms.sharing._xla import encode_on_device  # noqa: E402
 
 BATCH = {"mlp": 160, "cnn": 16}

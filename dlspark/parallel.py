@@ -1,51 +1,35 @@
 """ParallelWrapper: data-parallel training over the devices of one process (DL4J's ParallelWrapper).
 
 On one machine with several GPUs, or many cores, the replicas need no cluster:
-no serialization, no scheduler, no worker processes. Each device holds one
-replica of the train state (every leaf stacked on a leading replica axis and
-sharded over a one-axis mesh). With parameter averaging a round is planned by the cluster's own planner
-(:class:`~dlspark.distributed._plan.Coordinator`, device ``i`` standing where the
-``i``-th worker in address order stands), so the minibatch-to-replica assignment,
-the per-replica RNG streams and the checkpoints are those of a
-:class:`~dlspark.DistributedTrainer` with as many workers. A round's steps run as
-SPMD calls (``shard_map``: ``train_step`` on every device, one call per step or, with
-``fused_steps``, one over the round's stacked minibatches), then its mean (``psum``)
-with the outer optimizer in one more. Gradient sharing runs in
-:mod:`dlspark._parallel_sharing`.
+no serialization, no scheduler, no worker processes. The wrapper is the device
+runtime: it cuts the data, resumes from checkpoints, reports rounds and folds a
+fit into what the master carries, for any algorithm; the algorithm's own
+replica logic runs through the master's ``create_device_run`` hook over the
+runtime's exchange (:mod:`dlspark._mesh`: one replica per device on a one-axis
+mesh, ``shard_map`` and ``psum``). The rounds, RNG streams, statistics and
+checkpoints are those of a :class:`~dlspark.DistributedTrainer` with one worker
+per device.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ._inference import _check_evaluations, evaluate_dataset, stack_examples, unstack_outputs
+from ._mesh import DeviceRuntime, MeshExchange, divergence
 from .algorithms._base import Algorithm, positive_int
-from .algorithms.averaging import ParameterAveraging
-from .algorithms.averaging._numerics import is_averaged
-from .algorithms.sharing import GradientSharing
-from ._parallel_sharing import resolve_encoder
-from .checkpoint import fit_checkpoint_bytes
 from .data import as_dataset, list_minibatches, load_ref
 from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_examples, is_dask_collection,
                             keyed_items, local_batches)
 from .data._sources import keyed_features as require_keyed
 from .distributed._client import _progress_bar, _resume, check_epochs_and_checkpoints
 from .evaluation import ROC, Evaluation, RegressionEvaluation, ROCMultiClass
-from .io import write_bytes
 from .network import Network
 
 __all__ = ["ParallelWrapper", "resolve_devices"]
-
-from ._parallel_averaging import (AXIS, _by_device, _equivalent_bytes, _first, _lead, _policy_step, _Rounds,
-                                  _round_function, _step_function)
 
 
 # -- devices -----------------------------------------------------------------------
@@ -125,6 +109,22 @@ def _minibatches(data, batch_size) -> tuple:
 
 
 # -- the wrapper -----------------------------------------------------------------------
+class _Reporter:
+    """A fit's rounds to the progress bar and the callbacks, whatever the algorithm."""
+
+    def __init__(self, bar, callbacks):
+        self.bar, self.callbacks = bar, list(callbacks)
+
+    def __call__(self, stat) -> None:
+        if self.bar is not None:
+            self.bar.update(stat["minibatches"])
+            if stat["loss"] is not None:
+                self.bar.set_postfix(loss=f"{stat['loss']:.4g}",
+                                     ex_s=f"{stat['examples'] / max(stat['round_time'], 1e-9):.0f}", refresh=False)
+        for cb in self.callbacks:
+            cb(stat)
+
+
 class ParallelWrapper:
     """Train a :class:`~dlspark.Network` data-parallel over the devices of this process.
 
@@ -135,16 +135,17 @@ class ParallelWrapper:
     ----------
     network : Network
         The network to train; after ``fit`` it holds the trained state.
-    master : ParameterAveraging or GradientSharing
-        The algorithm and its settings (``batch_size_per_worker`` is per device;
+    master : Algorithm, optional
+        The algorithm and its settings, any master with a ``create_device_run`` hook
+        (ParameterAveraging, GradientSharing, ...; none: evaluation and inference only) (``batch_size_per_worker`` is per device;
         ``worker_prefetch_num_batches`` minibatches per device are loaded ahead, on a
         thread, and placed on their devices there). With ``fused_steps=True`` a round
         runs as one compiled call; by default one call per step and one to average
         (faster for convolutional networks on XLA's CPU backend).
         ``training_approach`` and ``export_directory`` do not apply (nothing is exported).
         With gradient sharing the devices step in lockstep, one minibatch each, and every
-        replica applies the sum of all devices' quantized updates (see
-        :mod:`dlspark._parallel_sharing`); ``steps_per_round`` steps make a round of the
+        replica applies the sum of all devices' quantized updates (synchronous
+        delivery); ``steps_per_round`` steps make a round of the
         statistics; ``mesh`` and ``max_staleness`` do not apply (no network between replicas).
     devices : None, int or list of jax.Device
         Default: every local device of the default backend. On CPU, JAX's
@@ -163,11 +164,14 @@ class ParallelWrapper:
     ----------
     loss_history : list of (round, epoch, mean loss)
     last_fit_stats, training_stats : list of dict
-        Round statistics, as the cluster's (``round_time``, ``fit_time_max``: the
-        compiled call, fit and mean; ``data_wait``: waiting for the loader;
-        ``bytes_equivalent``: what a cluster's replicas would have received).
+        Round statistics with the cluster's keys (``round_time``, ``fit_time_max``: the
+        compiled call, fit and mean; ``data_wait``: waiting for the loader).
     algorithm_state : dict
-        What the master carries from fit to fit (the outer optimizer's ``outer_state``).
+        What the master carries from fit to fit (the outer optimizer's ``outer_state``,
+        gradient sharing's ``threshold_state``), read as attributes too.
+    published : dict
+        The algorithm's running figures, read as attributes too, as on a
+        :class:`~dlspark.DistributedTrainer` (``communication``, ``replica_divergence``).
 
     Examples
     --------
@@ -179,32 +183,29 @@ class ParallelWrapper:
                  eval_batch_size: int = 64, sharing_encoder: str = "auto"):
         if not isinstance(network, Network):
             raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__}")
-        if master is None:
-            master = ParameterAveraging()
-        if not isinstance(master, (ParameterAveraging, GradientSharing)):
-            what = type(master).__name__
-            if isinstance(master, Algorithm):
-                raise NotImplementedError(f"ParallelWrapper runs ParameterAveraging and GradientSharing; {what} "
-                                          "runs on a DistributedTrainer")
-            raise TypeError(f"master must be dlspark.ParameterAveraging(...) or dlspark.GradientSharing(...), "
-                            f"got {what}")
+        if master is not None and not isinstance(master, Algorithm):
+            raise TypeError("master must be a training master such as dlspark.ParameterAveraging(...) or "
+                            f"dlspark.GradientSharing(...), got {type(master).__name__}")
         positive_int("eval_batch_size", eval_batch_size)
         self.network, self.master, self.progress, self.eval_batch_size = network, master, progress, eval_batch_size
         self.devices = resolve_devices(devices)
-        self.sharing_encoder = resolve_encoder(sharing_encoder, self.devices)
-        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.exchange = MeshExchange(self.devices)
+        self.mesh = self.exchange.mesh
         self.loss_history: list = []
         self.training_stats: list = []
         self.last_fit_stats: list = []
         self.algorithm_state: dict = {}
         self.published: dict = {}
-        self._functions: dict = {}
-        self._masks: dict = {}  # contributors -> which devices contribute, on the devices
+        self._runtime = DeviceRuntime(network, master, self.exchange, self.algorithm_state,
+                                      options={"sharing_encoder": sharing_encoder})
+        if master is not None:  # an algorithm without a run over devices is refused here, by name
+            master.create_device_run(self._runtime)
 
     def __getattr__(self, name):
-        values = self.__dict__.get("algorithm_state", {})
-        if name in values:
-            return values[name]
+        for store in ("algorithm_state", "published"):
+            values = self.__dict__.get(store, {})
+            if name in values:
+                return values[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self):
@@ -255,221 +256,49 @@ class ParallelWrapper:
         return self._run(refs, [0] * len(refs), epochs, loader, storage_options, checkpoint_every, checkpoint_url,
                          resume_from, callbacks, progress)
 
-    def _function(self, kind):
-        if kind not in self._functions:
-            self._functions[kind] = (_step_function(self.network, self.master, self.mesh, *kind[1:])
-                                     if isinstance(kind, tuple) else
-                                     _round_function(self.network, self.master, self.mesh, kind))
-        return self._functions[kind]
-
-    def _replicate(self, state, saved_rngs):
-        """The state on every device; each replica's RNG as the cluster's worker of that rank
-        derives it (a checkpoint's saved stream for its position, else a fold of rank 0's)."""
-        host = jax.tree_util.tree_map(np.asarray, state)
-        rngs = []
-        for r in range(len(self.devices)):
-            if saved_rngs and r < len(saved_rngs):
-                rngs.append(np.asarray(saved_rngs[r], dtype=host.rng.dtype))
-            else:
-                rngs.append(np.asarray(jax.random.fold_in(state.rng, r)) if r else host.rng)
-        stacked = jax.tree_util.tree_map(lambda x: np.stack([x] * len(self.devices)), host.replace(rng=None))
-        stacked = stacked.replace(rng=np.stack(rngs))
-        tx = self.master.outer_updater
-        carried = self.algorithm_state.get("outer_state")
-        outer = () if tx is None else jax.tree_util.tree_map(
-            lambda x: np.stack([np.asarray(x)] * len(self.devices)), tx.init(state.params) if carried is None else carried)
-        sharding = NamedSharding(self.mesh, P(AXIS))
-        return jax.device_put(stacked, sharding), jax.device_put(outer, sharding)
-
-    def _replica(self, tree, r=0):
-        """Replica ``r`` of a stacked tree, on the host."""
-        return jax.tree_util.tree_map(lambda x: np.asarray(_by_device(x)[self.devices[r]])[0], tree)
-
     def _run(self, refs, partitions, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
              resume_from, callbacks, progress):
+        """One fit, any algorithm: the master's device run does the rounds; resuming, the progress
+        bar and callbacks, and folding the result into what the master carries are the same
+        for every algorithm (and as a cluster's)."""
         net, master = self.network, self.master
+        if master is None:
+            raise ValueError("this ParallelWrapper has no master; pass one, e.g. ParallelWrapper(net, "
+                             "ParameterAveraging())")
         # checkpoints and resumes take the data's fsspec options, as on a cluster
-        self._checkpoint_options = dict(storage_options or {})
-        if isinstance(master, GradientSharing):
-            return self._run_sharing(refs, epochs, loader, storage_options, checkpoint_every, checkpoint_url,
-                                     resume_from, callbacks, progress)
+        opts = dict(storage_options or {})
         skip, saved_rngs, epochs_done, epochs_total = (), None, 0, epochs
         if resume_from is not None:  # the cluster's resume: the same checks, meta and state
             epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(
-                self, resume_from, epochs, len(refs), self._checkpoint_options)
+                self, resume_from, epochs, len(refs), opts)
             if epochs <= 0:  # the checkpoint's fit was finished: nothing to train
                 self.last_fit_stats = []
                 return net
-        base_step, base_epoch = net.iteration, net.epoch
-        state, outer = self._replicate(net.state, saved_rngs)
-        k = master.averaging_frequency
-        depth = master.worker_prefetch_num_batches and max(master.worker_prefetch_num_batches, k)
-        rounds = _Rounds(self, refs, partitions, epochs, skip, loader, storage_options, math.ceil(depth / k))
+        rt = self._runtime
+        rt.master, rt.algorithm_state, rt.loader, rt.storage_options, rt.checkpoint_options = (
+            master, self.algorithm_state, loader, storage_options, opts)
+        run = master.create_device_run(rt)  # the master of this fit (it may have been replaced)
         bar = _progress_bar(self.progress if progress is None else progress, epochs * len(refs) - len(skip))
-        leaves = jax.tree_util.tree_leaves(net.state)
-        sizes = (sum(x.nbytes for x in leaves), sum(x.nbytes for x in leaves if is_averaged(x)))
-        stats, pending, last = [], None, [time.perf_counter(), 0.0]
-
-        def settle(p):
-            """Read a round's losses back (one host sync) and account for it."""
-            item, losses, oks, t_call = p
-            rows = zip(*(np.asarray(a) if hasattr(a, "shape") else a for a in (losses, oks)))  # [replica][step]
-            flat = [(float(x), bool(ok)) for row_l, row_o in rows for x, ok in zip(row_l, row_o)]
-            done_before = stats[-1]["trained_total"] if stats else 0
-            for j, (x, ok) in enumerate(flat):
-                if not ok:  # "raise": the network keeps its state from before the fit, as with the cluster
-                    net.nonfinite(base_step + done_before + j, x)
-            stat = self._round_stats(item, [x for x, ok in flat if ok], time.perf_counter() - last[0],
-                                     time.perf_counter() - t_call, rounds.wait - last[1], sizes)
-            last[:] = [time.perf_counter(), rounds.wait]
-            stats.append(stat)
-            if bar is not None:
-                bar.update(stat["minibatches"])
-                if stat["loss"] is not None:
-                    bar.set_postfix(loss=f"{stat['loss']:.4g}",
-                                    ex_s=f"{stat['examples'] / max(stat['round_time'], 1e-9):.0f}", refresh=False)
-            for cb in callbacks:
-                cb(stat)
-
+        rt.reporter = _Reporter(bar, callbacks)
         try:
-            for item in rounds:
-                if pending is not None and not item["regular"]:  # this one blocks: settle the last first
-                    settle(pending)
-                    pending = None
-                plan, t_call = item["plan"], time.perf_counter()
-                state, outer, losses, oks = self._round(state, outer, item, base_epoch + plan.epoch)
-                # The next round is queued on the devices before this one's losses are read back.
-                if pending is not None:
-                    settle(pending)
-                pending = (item, losses, oks, t_call)
-                if checkpoint_every and plan.round % checkpoint_every == 0:
-                    settle(pending)
-                    pending = None
-                    prog = dict(item["progress"], epoch=epochs_done + item["progress"]["epoch"],
-                                epochs_total=epochs_total)
-                    self._checkpoint(checkpoint_url, state, outer, base_step + item["trained_total"],
-                                     base_epoch + item["epoch_after"], prog)
-            if pending is not None:
-                settle(pending)
+            out = run.fit(refs, partitions, epochs, skip=skip, saved_rngs=saved_rngs,
+                                       epochs_done=epochs_done, epochs_total=epochs_total,
+                                       checkpoint_every=checkpoint_every, checkpoint_url=checkpoint_url)
         finally:
-            rounds.close()
+            rt.reporter = None
             if bar is not None:
                 bar.close()
-        trained = stats[-1]["trained_total"] if stats else 0
-        net.state = jax.tree_util.tree_map(jnp.asarray, self._replica(state).replace(
-            step=np.int32(base_step + trained), epoch=np.int32(base_epoch + epochs)))
-        carried = None if master.outer_updater is None else self._replica(outer)
-        self.algorithm_state = master.after_fit(self.algorithm_state, None, carried, self.published)
-        self.loss_history.extend((s["round"], base_epoch + s["epoch"], s["loss"]) for s in stats)
+        net.state = out.state
+        self.algorithm_state = master.after_fit(self.algorithm_state, out, out.carried, self.published)
+        if master.compare_replicas():
+            self.published["replica_divergence"] = divergence(out.replica_params)
+        self.published.update(out.published)
+        base_epoch = net.epoch - epochs
+        self.loss_history.extend((s["round"], base_epoch + s["epoch"], s["loss"]) for s in out.stats)
         if master.collect_training_stats:
-            self.training_stats.extend(stats)
-        self.last_fit_stats = stats
+            self.training_stats.extend(out.stats)
+        self.last_fit_stats = out.stats
         return net
-
-    def _run_sharing(self, refs, epochs, loader, storage_options, checkpoint_every, checkpoint_url, resume_from,
-                     callbacks, progress):
-        from ._parallel_sharing import run_sharing
-
-        resumed = None
-        if resume_from is not None:  # the cluster's resume: the same checks, meta and thresholds
-            total = epochs
-            epochs, skip, saved_rngs, epochs_done, self.algorithm_state = _resume(
-                self, resume_from, epochs, len(refs), self._checkpoint_options)
-            if epochs <= 0:
-                self.last_fit_stats = []
-                return self.network
-            resumed = (skip, saved_rngs, epochs_done, total)
-        bar = _progress_bar(self.progress if progress is None else progress,
-                            epochs * len(refs) - len(resumed[0] if resumed else ()))
-        try:
-            stats = run_sharing(self, refs, epochs, loader, storage_options, callbacks, bar, self.sharing_encoder,
-                                resumed=resumed, checkpoint_every=checkpoint_every, checkpoint_url=checkpoint_url,
-                                checkpoint_options=self._checkpoint_options)
-        finally:
-            if bar is not None:
-                bar.close()
-        base_epoch = self.network.epoch - epochs
-        self.loss_history.extend((s["round"], base_epoch + s["epoch"], s["loss"]) for s in stats)
-        if self.master.collect_training_stats:
-            self.training_stats.extend(stats)
-        self.last_fit_stats = stats
-        return self.network
-
-    def _round(self, state, outer, item, epoch):
-        """Dispatch one round; returns ``(state, outer state, losses, applied)``, still on the devices."""
-        contributors = tuple(item["plan"].contributors)
-        if contributors not in self._masks:
-            mask = np.array([r in contributors for r in range(len(self.devices))])
-            self._masks[contributors] = jax.device_put(mask, NamedSharding(self.mesh, P(AXIS)))
-        args = (np.int32(epoch), self._masks[contributors], np.float32(len(contributors)))
-        if item["regular"] and self.master.fused_steps:
-            return self._function(True)(state, outer, item["batches"], (), *args)
-        if item["regular"]:
-            return self._stepwise(state, outer, item["batches"], *args)
-        return self._irregular(state, outer, item["batches"], *args)
-
-    def _stepwise(self, state, outer, batches, epoch, mask, n):
-        """A round with ``fused_steps=False``: one call per step on every device, then one call
-        averages. On XLA's CPU backend this keeps a convolutional step as fast as a plain one;
-        fused, it is slower. The steps donate the state, except the round's first when an outer
-        optimizer needs the round-start parameters."""
-        keep_start = self.master.outer_updater is not None
-        start, losses, oks = (state.params if keep_start else ()), [], []
-        for j, batch in enumerate(batches):
-            state, loss, ok = self._function(("step", j == 0, j > 0 or not keep_start))(state, batch, epoch)
-            losses.append(loss), oks.append(ok)
-        state, outer, _, _ = self._function(False)(state, outer, (), start, epoch, mask, n)
-        return state, outer, jnp.stack(losses, 1), jnp.stack(oks, 1)
-
-    def _round_stats(self, item, losses, round_time, call_time, wait, sizes):
-        """A round's statistics, shaped as the cluster's where they apply."""
-        plan, n = item["plan"], len(item["plan"].contributors)
-        return {"event": "round", "round": plan.round, "epoch": plan.epoch, "minibatches": item["counted"],
-                "examples": item["examples"], "loss": (sum(losses) / len(losses)) if losses else None,
-                "workers": n, "round_time": round_time, "fit_time_max": call_time,
-                "worker_fit_time": {r: call_time for r in plan.contributors}, "data_wait": wait,
-                "trained_total": item["trained_total"], "attempts": 0, "avg_time": 0.0, "fetch_time": 0.0,
-                "bytes_received": 0, "bytes_equivalent": _equivalent_bytes(*sizes, n, len(self.devices))}
-
-    def _irregular(self, state, outer, batches, epoch, mask, n):
-        """A round whose replicas fit different numbers or shapes of minibatches (an epoch's last):
-        each replica steps on its own device, as a cluster worker does, then one compiled call
-        averages."""
-        net, master = self.network, self.master
-        step = _policy_step(net)
-        parts, losses, oks = [], [], []
-        for r, dev in enumerate(self.devices):
-            mine = jax.tree_util.tree_map(lambda x: _by_device(x)[dev], state)
-            own = batches[r]
-            if not own:
-                parts.append(mine)
-                losses.append([]), oks.append([])
-                continue
-            st = _first(mine)  # a copy: the step donates it, the round-start parameters stay
-            if not master.save_updater:
-                st = st.replace(opt_state=net.updater.init(st.params))
-            st = st.replace(epoch=jax.device_put(epoch, dev))  # a host scalar: the step donates this copy
-            # one step at a time: one compilation per device and shape serves every such round
-            ls, ks = [], []
-            for b in own:
-                st, x, ok = step(st, b)
-                ls.append(x), ks.append(ok)
-            parts.append(_lead(st))
-            losses.append(ls), oks.append(ks)  # read back later: the next device starts meanwhile
-        sharding = NamedSharding(self.mesh, P(AXIS))
-        fitted = jax.tree_util.tree_map(
-            lambda *xs: jax.make_array_from_single_device_arrays((len(xs),) + xs[0].shape[1:], sharding, list(xs)),
-            *parts)
-        state, outer, _, _ = self._function(False)(fitted, outer, (), state.params, epoch, mask, n)
-        return state, outer, losses, oks
-
-    def _checkpoint(self, url, state, outer, step, epoch, progress):
-        """Write what the cluster's first worker writes: rank 0's state, every replica's RNG."""
-        rngs = [np.asarray(x).tolist() for x in np.asarray(state.rng)]
-        aux = None if self.master.outer_updater is None else self._replica(outer)
-        write_bytes(url, fit_checkpoint_bytes(self._replica(state), self.network, step=step, epoch=epoch,
-                                              progress=progress, worker_rngs=rngs, aux=aux),
-                    **self._checkpoint_options)
 
     # -- evaluation, inference, scoring (in this process, on the network's device) --------
     def _refs(self, data, batch_size, storage_options):
@@ -478,13 +307,16 @@ class ParallelWrapper:
         return _minibatches(data, batch_size)[0]
 
     def do_evaluation(self, data, batch_size: int | None = None, *evaluations, loader=None,
-                      storage_options: dict | None = None):
-        """Fill several evaluations in one pass over ``data`` (what ``fit`` or ``fit_paths`` take)."""
+                      storage_options: dict | None = None, output: int | None = None):
+        """Fill several evaluations in one pass over ``data`` (what ``fit`` or ``fit_paths`` take).
+        A multi-output network is evaluated one output at a time: ``output`` picks it (the
+        evaluate methods take it too), as on a :class:`~dlspark.DistributedTrainer`."""
         _check_evaluations(evaluations)
+        if batch_size is not None:
+            positive_int("batch_size", batch_size)
         bs = batch_size or self.eval_batch_size
         for ref in self._refs(data, bs, storage_options):
-            # multi-output networks are evaluated on their first output
-            evaluate_dataset(self.network, load_ref(ref, loader, storage_options), evaluations, bs, output=0)
+            evaluate_dataset(self.network, load_ref(ref, loader, storage_options), evaluations, bs, output=output)
         return list(evaluations)
 
     def evaluate(self, data, batch_size: int | None = None, **kw):

@@ -294,7 +294,7 @@ def test_a_replica_without_minibatches_reads_the_reused_sum_before_it_is_written
     # place. A replica with no minibatch only adds the sum, and nothing else waits for that
     # read. To make a late read certain rather than rare, the add is preceded by ~100 ms of
     # unrelated device work (only the timing is staged; the arithmetic is the real add).
-    import dlspark._parallel_sharing as ps
+    import dlspark.algorithms.sharing._device as ps
     from jax.flatten_util import ravel_pytree
 
     real = ps.sharing_functions

@@ -8,9 +8,12 @@ engine (``dlspark.distributed``) routes by job and never asks which one it runs.
 
 from ._base import Algorithm, RoundDriver
 from .averaging import ParameterAveraging
+from .localsgd import LocalSGD
+from .replica import ReplicaAlgorithm, ReplicaFigures
 from .sharing import (AdaptiveThreshold, FixedThreshold, GradientSharing, NoResidualPostProcessing, ResidualClipping,
-                      TargetSparsityThreshold, ThresholdState)
+                      ResidualPostProcessor, TargetSparsityThreshold, ThresholdAlgorithm, ThresholdState)
 
 __all__ = ["Algorithm", "RoundDriver", "ParameterAveraging", "GradientSharing", "AdaptiveThreshold",
            "TargetSparsityThreshold", "FixedThreshold", "ThresholdState", "ResidualClipping",
-           "NoResidualPostProcessing"]
+           "NoResidualPostProcessing", "ThresholdAlgorithm", "ResidualPostProcessor", "ReplicaAlgorithm",
+           "ReplicaFigures", "LocalSGD"]

@@ -9,12 +9,15 @@ machine and the trainer call these hooks and never ask which algorithm it is.
 
 from __future__ import annotations
 
+import abc
 import numbers
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from ..distributed._messages import JobOptions, Reply
+from ..stats._record import RoundFigures
 
 __all__ = ["Algorithm", "RoundDriver", "positive_int", "choice", "check_common", "TRAINING_APPROACHES",
            "REPARTITION", "REPARTITION_STRATEGIES"]
@@ -79,9 +82,10 @@ class RoundDriver:
     def step(self, replies: dict[str, Reply], live: frozenset, attempt: int):
         raise NotImplementedError
 
-    def round_stats(self) -> dict:
-        """The algorithm's figures for the round just completed."""
-        return {}
+    def round_stats(self) -> RoundFigures:
+        """The algorithm's figures for the round just completed (its typed part of the round's
+        :class:`~dlspark.stats._record.RoundStats`)."""
+        return RoundFigures()
 
     def result_state(self, workers: list) -> dict:
         """What the job result carries back to the client for the algorithm."""
@@ -92,11 +96,62 @@ class RoundDriver:
         return {}
 
 
-class Algorithm:
-    """Mixin of the masters: the hooks through which the engine runs an algorithm."""
+@dataclass(frozen=True)
+class Algorithm(abc.ABC):
+    """The base of every master: the settings the engine reads, and the hooks it runs an algorithm through.
+
+    A master is a frozen dataclass deriving from this one; it adds its own settings
+    and implements the abstract hooks. The settings below are declared here once
+    and read by both runtimes (a :class:`~dlspark.DistributedTrainer` and a
+    :class:`~dlspark.ParallelWrapper`); a master never redeclares them.
+
+    Parameters
+    ----------
+    batch_size_per_worker : int
+        Examples per minibatch on each worker or device (used when dlspark cuts
+        data into minibatches; minibatch files keep their own size).
+    worker_prefetch_num_batches : int
+        Minibatches a worker loads ahead in a background thread (0: none).
+    training_approach : {"export", "direct"}
+        ``export`` writes the data once as minibatch files to ``export_directory``
+        and trains from them; ``direct`` keeps minibatches in Dask worker memory.
+    export_directory : str, optional
+        A URL every worker can read. Default: a temporary local directory.
+    repartition : {"always", "never", "num_partitions_workers_differs"}
+        When to rebalance minibatches across workers.
+    repartition_strategy : {"balanced", "spark_default"}
+        How a round's minibatches are shared out.
+    collect_training_stats : bool
+        Record per-round timings on the trainer.
+    """
+
+    batch_size_per_worker: int = 32
+    worker_prefetch_num_batches: int = 2
+    training_approach: str = "export"
+    export_directory: str | None = None
+    repartition: str = "always"
+    repartition_strategy: str = "balanced"
+    collect_training_stats: bool = False
 
     #: a short name, for messages and statistics
     name: ClassVar[str] = ""
+
+    def __post_init__(self):
+        check_common(self)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if ("create_run_on_worker" in own or "create_driver" in own) and "create_device_run" not in own:
+            # A master that changes what runs on a cluster but not what runs over devices would
+            # run its parent's algorithm in a ParallelWrapper, silently: it runs nowhere but on
+            # a cluster until it says how it runs over devices.
+            cls.create_device_run = Algorithm.create_device_run
+
+    @property
+    @abc.abstractmethod
+    def steps_per_round(self) -> int:
+        """Minibatches each worker fits in a round (a round ends with the algorithm's exchange)."""
 
     def job_options(self) -> dict:
         """The master's settings the job machine plans from."""
@@ -108,11 +163,23 @@ class Algorithm:
         """Minibatches a worker loads ahead of its steps."""
         return self.worker_prefetch_num_batches
 
+    @abc.abstractmethod
     def create_driver(self, options: JobOptions) -> RoundDriver:
-        raise NotImplementedError
+        """The scheduler side of one job on a cluster."""
 
+    @abc.abstractmethod
     def create_run_on_worker(self, worker, job: str, spec, state: dict, rank: int):
-        raise NotImplementedError
+        """The worker side of one job on a cluster (a ``distributed._run.WorkerRun``)."""
+
+    def create_device_run(self, runtime):
+        """The algorithm run over the devices of one process (:class:`~dlspark.ParallelWrapper`).
+
+        ``runtime`` is the wrapper's :class:`~dlspark._mesh.DeviceRuntime`: its devices,
+        mesh and exchange, its data, its reporter and its checkpoints. The object
+        returned has ``fit(refs, partitions, epochs, resumed) -> (stats, result)``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} runs on a DistributedTrainer; it defines no "
+                                  "create_device_run for ParallelWrapper")
 
     def resume_state(self, meta: dict, url: str, network, storage_options: dict | None = None) -> dict:
         """The algorithm state to go on with, from a checkpoint's metadata (and arrays read
@@ -120,9 +187,10 @@ class Algorithm:
         return {}
 
     def after_fit(self, algorithm_state: dict, result, carried: list, published: dict) -> dict:
-        """Fold a finished job into what the algorithm carries on; ``carried`` is each
-        live worker's ``carried_state()`` (the first worker's first), and ``published``
-        the trainer's figures (updated in place). Returns the new algorithm state."""
+        """Fold a finished job into what the algorithm carries on; ``result`` has the job's
+        ``stats`` (round records) and ``algorithm_state`` (the driver's ``result_state``),
+        ``carried`` is the first live worker's ``carried_state()``, and ``published`` the
+        trainer's figures (updated in place). Returns the new algorithm state."""
         return dict(algorithm_state)
 
     def compare_replicas(self) -> bool:

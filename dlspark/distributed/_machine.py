@@ -43,6 +43,7 @@ import functools
 from dataclasses import dataclass, field
 
 from ..errors import JobFailedError
+from ..stats._record import RoundStats
 from ._events import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish, GraceOver, Join, Joined,
                       JoinFailed, Probe, Probed, Replied, Send, Start, StateMachineEvent, Timer, WorkerJoined,
                       WorkerLost)
@@ -402,17 +403,16 @@ class JobMachine:
         fits = {w: r for w, r in self.driver.fits.items() if w in contributors and isinstance(r, FitReply)}
         counted = self.planner.complete_round(self.plan, contributors)
         n = sum(f.n for f in fits.values())
-        stat = {
-            "event": "round", "round": self.plan.round, "epoch": self.plan.epoch, "minibatches": counted,
-            "examples": sum(f.examples for f in fits.values()),
-            "loss": (sum(f.loss_sum for f in fits.values()) / n) if n else None, "workers": len(contributors),
-            "round_time": self.now - self.started, "fit_time_max": max((f.fit_time for f in fits.values()), default=0.0),
-            "worker_fit_time": {w: f.fit_time for w, f in fits.items()},
-            "worker_steps": {w: f.n for w, f in fits.items()},
-            "data_wait": {w: f.data_wait for w, f in fits.items()},
-            "trained_total": self.planner.trained_total, "attempts": self.attempt,
-            **self.driver.round_stats(),
-        }
+        stat = RoundStats.build(
+            round=self.plan.round, epoch=self.plan.epoch, minibatches=counted,
+            examples=sum(f.examples for f in fits.values()),
+            loss=(sum(f.loss_sum for f in fits.values()) / n) if n else None, workers=len(contributors),
+            round_time=self.now - self.started, fit_time_max=max((f.fit_time for f in fits.values()), default=0.0),
+            worker_fit_time={w: f.fit_time for w, f in fits.items()},
+            worker_steps={w: f.n for w, f in fits.items()},
+            data_wait={w: f.data_wait for w, f in fits.items()},
+            trained_total=self.planner.trained_total, attempts=self.attempt,
+            extra=self.driver.round_stats())
         self.stats.append(stat)
         out = [Emit(stat)]
         every = self.options.checkpoint_every

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...distributed._machine import RoundDone
 from ...distributed._messages import FitOrder, FitReply
 from .._base import RoundDriver
-from ._messages import AverageOrder, AverageWith
+from ._messages import AverageOrder, AveragingFigures, AverageWith
 
 __all__ = ["AveragingDriver"]
 
@@ -51,7 +51,8 @@ class AveragingDriver(RoundDriver):
 
     def round_stats(self):
         a = self.averages.values()
-        return {"avg_time": max((x.avg_time for x in a), default=0.0),
-                "fetch_time": max((x.fetch_time for x in a), default=0.0),
-                "bytes_received": sum(x.bytes_received for x in a),
-                "bytes_shared": sum(x.bytes_shared for x in a)}
+        received = sum(x.bytes_received for x in a)
+        return AveragingFigures(avg_time=max((x.avg_time for x in a), default=0.0),
+                                fetch_time=max((x.fetch_time for x in a), default=0.0),
+                                bytes_received=received, bytes_shared=sum(x.bytes_shared for x in a),
+                                bytes_equivalent=received)

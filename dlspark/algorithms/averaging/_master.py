@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._base import Algorithm, check_common, int_setting
+from .._base import Algorithm, int_setting
+from ._device import AveragingDeviceRun
 
 __all__ = ["ParameterAveraging"]
 
@@ -80,22 +81,15 @@ class ParameterAveraging(Algorithm):
     True
     """
 
-    batch_size_per_worker: int = 32
     averaging_frequency: int = 5
-    worker_prefetch_num_batches: int = 2
     save_updater: bool = True
-    training_approach: str = "export"
-    export_directory: str | None = None
-    repartition: str = "always"
-    repartition_strategy: str = "balanced"
-    collect_training_stats: bool = False
     fused_steps: bool = False
     outer_updater: object = None
 
     name = "averaging"
 
     def __post_init__(self):
-        check_common(self)
+        super().__post_init__()
         int_setting(self, "averaging_frequency")
         for name in ("save_updater", "fused_steps"):
             if not isinstance(getattr(self, name), bool):
@@ -127,6 +121,9 @@ class ParameterAveraging(Algorithm):
         from ._run import AveragingRun
 
         return AveragingRun(worker, job, spec, state, rank)
+
+    def create_device_run(self, runtime):
+        return AveragingDeviceRun(runtime)
 
     def resume_state(self, meta, url, network, storage_options=None):
         if self.outer_updater is None:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...distributed._messages import Order, Reply
+from ...stats._record import RoundFigures
 
-__all__ = ["AverageWith", "AverageOrder", "AverageReply", "Contribution", "SharedContribution", "Share"]
+__all__ = ["AveragingFigures", "AverageWith", "AverageOrder", "AverageReply", "Contribution", "SharedContribution", "Share"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,18 @@ class Share(Reply):
     """A contributor's averaged share of the floating-point elements."""
 
     values: list = ()
+
+
+@dataclass(frozen=True)
+class AveragingFigures(RoundFigures):
+    """Parameter averaging's figures of a round, on both runtimes: the slowest replica's
+    mean and fetch times, the bytes its replicas received from peers (through shared
+    memory: ``bytes_shared``), and ``bytes_equivalent``, what a cluster's replicas
+    receive for the mean (on a cluster the bytes received; in one process, what they
+    would have been)."""
+
+    avg_time: float = 0.0
+    fetch_time: float = 0.0
+    bytes_received: int = 0
+    bytes_shared: int = 0
+    bytes_equivalent: int = 0

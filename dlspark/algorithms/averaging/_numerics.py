@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["average_leaves", "average_on_device", "is_averaged", "share_bounds", "share_pieces", "take_share",
-           "average_share", "assemble", "outer_step", "outer_state_from_arrays"]
+__all__ = ["average_leaves", "average_on_device", "is_averaged", "start_round", "share_bounds", "share_pieces",
+           "take_share", "average_share", "assemble", "outer_step", "outer_state_from_arrays"]
 
 
 def is_averaged(a) -> bool:
@@ -128,6 +128,15 @@ def assemble(like: list, pieces: list, values: list) -> list:
     for (i, a, b), v in zip(pieces, values):
         out[i][a:b] = v
     return [x.reshape(np.shape(ref)) for x, ref in zip(out, like)]
+
+
+# -- a replica's round ----------------------------------------------------------------
+def start_round(state, updater, save_updater: bool, epoch):
+    """A replica's state at a round's start, on either runtime: without ``save_updater`` the
+    updater starts afresh (as DL4J's workers do), and the epoch counter is the round's."""
+    if not save_updater:
+        state = state.replace(opt_state=updater.init(state.params))
+    return state.replace(epoch=jnp.asarray(epoch, jnp.int32))
 
 
 # -- the outer optimizer (DiLoCo) --------------------------------------------------

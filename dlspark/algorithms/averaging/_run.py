@@ -26,7 +26,7 @@ from ...distributed._messages import FitReply, Unavailable
 from ...network import one_shape
 from ._messages import AverageOrder, AverageReply, Contribution, Share, SharedContribution
 from ._numerics import (assemble, average_on_device, average_share, is_averaged, outer_step, share_bounds,
-                        share_pieces, take_share)
+                        share_pieces, start_round, take_share)
 
 __all__ = ["AveragingRun"]
 
@@ -118,10 +118,7 @@ class AveragingRun(WorkerRun):
     # -- compute (the job's compute thread) --------------------------------------------
     def _fit(self, refs, epoch, next_refs):
         steps = self.net.steps
-        state = self.state
-        if not self.master.save_updater:
-            state = state.replace(opt_state=self.net.updater.init(state.params))
-        state = state.replace(epoch=jnp.asarray(epoch, jnp.int32))
+        state = start_round(self.state, self.net.updater, self.master.save_updater, epoch)
         # The steps apply their updates unchecked (train_step's select over the whole state
         # costs more than the update itself on a large network: 2.5 ms of a 15 ms step with
         # Adam on the benchmarks' MLP); the round is checked once at its end and, when a step

@@ -10,7 +10,8 @@
 from ._encoding import decode, threshold_encode
 from ._master import GradientSharing
 from ._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing, ResidualClipping,
-                          TargetSparsityThreshold, ThresholdState)
+                          ResidualPostProcessor, TargetSparsityThreshold, ThresholdAlgorithm, ThresholdState)
 
 __all__ = ["GradientSharing", "threshold_encode", "decode", "AdaptiveThreshold", "TargetSparsityThreshold",
-           "FixedThreshold", "ThresholdState", "ResidualClipping", "NoResidualPostProcessing"]
+           "FixedThreshold", "ThresholdState", "ResidualClipping", "NoResidualPostProcessing", "ThresholdAlgorithm",
+           "ResidualPostProcessor"]

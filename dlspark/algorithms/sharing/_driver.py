@@ -5,8 +5,8 @@ from __future__ import annotations
 from ...distributed._machine import RoundDone
 from ...distributed._messages import FitOrder
 from .._base import RoundDriver
-from ._messages import HaveOrder, NextRoundOrder, ShareWith, SyncOrder
-from ._thresholds import threshold_meta
+from ._messages import HaveOrder, NextRoundOrder, ShareWith, SharingFigures, SyncOrder
+from ._thresholds import senders, threshold_meta
 from ._topology import tree_links
 
 __all__ = ["SharingDriver", "sync_plan"]
@@ -102,22 +102,21 @@ class SharingDriver(RoundDriver):
     def round_stats(self):
         fits = {w: f for w, f in self.fits.items() if w in self.contributors}
         x = {w: f.extra for w, f in fits.items()}
-        return {"bytes_sent": sum(e["bytes_sent"] for e in x.values()),
-                "dense_bytes": sum(e["dense_bytes"] for e in x.values()),
-                "threshold": {w: e["threshold"] for w, e in x.items()},
-                "stale_wait": max((e["stale_wait"] for e in x.values()), default=0.0),
-                "encoding_debug": {w: e["debug"] for w, e in x.items() if e["debug"]},
-                "relayed": sum(e.get("relayed", 0) for e in x.values()),
-                "fetched_at_sync": self.fetched,
-                "avg_time": 0.0, "fetch_time": 0.0, "bytes_received": 0}
+        sparsities = [e["sparsity"] for e in x.values() if e.get("sparsity") is not None]
+        return SharingFigures(bytes_sent=sum(e["bytes_sent"] for e in x.values()),
+                              dense_bytes=sum(e["dense_bytes"] for e in x.values()),
+                              threshold={w: e["threshold"] for w, e in x.items()},
+                              sparsity=sum(sparsities) / len(sparsities) if sparsities else None,
+                              stale_wait=max((e["stale_wait"] for e in x.values()), default=0.0),
+                              encoding_debug={w: e["debug"] for w, e in x.items() if e["debug"]},
+                              relayed=sum(e.get("relayed", 0) for e in x.values()), fetched_at_sync=self.fetched)
 
     def _stepped(self, workers):
         """The threshold states to carry: those of the workers that sent a message in this job
         (one that trained nothing still holds the fit's starting threshold, which would pull the
         mean back), or every worker's when none did."""
         have = [w for w in workers if w in self.thresholds]
-        sent = [w for w in have if self.counters.get(w, 0) > 0]
-        return [self.thresholds[w] for w in (sent or have)]
+        return senders([self.thresholds[w] for w in have], [self.counters.get(w, 0) for w in have])
 
     def result_state(self, workers):
         return {"threshold_states": self._stepped(workers)}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._base import Algorithm, check_common, choice, int_setting
+from .._base import Algorithm, choice, int_setting
+from ._device import SharingDeviceRun
+from ._thresholds import AdaptiveThreshold, ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
 
 __all__ = ["GradientSharing", "MESHES"]
 
@@ -12,14 +14,10 @@ MESHES = ("plain", "tree")
 
 
 def _default_threshold():
-    from ._thresholds import AdaptiveThreshold
-
     return AdaptiveThreshold()
 
 
 def _default_post():
-    from ._thresholds import ResidualClipping
-
     return ResidualClipping(5, 5)
 
 
@@ -38,11 +36,15 @@ class GradientSharing(Algorithm):
     batch_size_per_worker, worker_prefetch_num_batches, training_approach, export_directory,
     repartition, repartition_strategy, collect_training_stats
         As in :class:`ParameterAveraging`.
-    threshold_algorithm : AdaptiveThreshold, TargetSparsityThreshold or FixedThreshold
+    threshold_algorithm : ThresholdAlgorithm
+        AdaptiveThreshold, TargetSparsityThreshold, FixedThreshold, or any object
+        with the :class:`ThresholdAlgorithm` protocol's methods.
         How each worker's threshold moves (default: adaptive, sparsity in [1e-4, 1e-2], the
         first 20 thresholds taken from each worker's residual so that they send 1e-3 of
         its elements; DL4J starts from a fixed 1e-3, ``AdaptiveThreshold(initial=1e-3)``).
-    residual_post_processor : ResidualClipping or NoResidualPostProcessing
+    residual_post_processor : ResidualPostProcessor
+        ResidualClipping, NoResidualPostProcessing, or any object with the
+        :class:`ResidualPostProcessor` protocol's ``update``.
         Default: clip the residual to ±5 thresholds every 5 iterations.
     workers_per_node : int, optional
         Accepted for DL4J compatibility; dlspark runs one worker per device.
@@ -74,18 +76,11 @@ class GradientSharing(Algorithm):
     AdaptiveThreshold(initial=None, min_sparsity=0.0001, max_sparsity=0.01, decay=0.9659363289248456, warmup=20)
     """
 
-    batch_size_per_worker: int = 32
     threshold_algorithm: object = field(default_factory=_default_threshold)
     residual_post_processor: object = field(default_factory=_default_post)
     workers_per_node: int | None = None
-    worker_prefetch_num_batches: int = 2
-    training_approach: str = "export"
-    export_directory: str | None = None
-    repartition: str = "always"
-    repartition_strategy: str = "balanced"
     encoding_debug: bool = False
     mesh: str = "plain"
-    collect_training_stats: bool = False
     steps_per_round: int = 16
     max_staleness: int = 4
     tree_fanout: int = 4
@@ -93,22 +88,23 @@ class GradientSharing(Algorithm):
     name = "sharing"
 
     def __post_init__(self):
-        from ._thresholds import (AdaptiveThreshold, FixedThreshold, NoResidualPostProcessing, ResidualClipping,
-                                  TargetSparsityThreshold)
-
-        check_common(self)
+        super().__post_init__()
         choice("mesh", self.mesh, MESHES)
         int_setting(self, "steps_per_round")
         int_setting(self, "max_staleness", minimum=0)
         int_setting(self, "tree_fanout")
         if self.workers_per_node is not None:
             int_setting(self, "workers_per_node")
-        if not isinstance(self.threshold_algorithm, (AdaptiveThreshold, TargetSparsityThreshold, FixedThreshold)):
-            raise TypeError("threshold_algorithm must be AdaptiveThreshold(...), TargetSparsityThreshold(...) or "
-                            f"FixedThreshold(t), got {type(self.threshold_algorithm).__name__}")
-        if not isinstance(self.residual_post_processor, (ResidualClipping, NoResidualPostProcessing)):
-            raise TypeError("residual_post_processor must be ResidualClipping(...) or NoResidualPostProcessing(), "
-                            f"got {type(self.residual_post_processor).__name__}")
+        # protocols, not a list of classes: any object with the methods will do, as optax takes
+        # any (init, update) pair
+        if not isinstance(self.threshold_algorithm, ThresholdAlgorithm):
+            raise TypeError("threshold_algorithm must be AdaptiveThreshold(...), TargetSparsityThreshold(...), "
+                            "FixedThreshold(t) or another object with init, prepare, update and reduce "
+                            f"(the ThresholdAlgorithm protocol), got {type(self.threshold_algorithm).__name__}")
+        if not isinstance(self.residual_post_processor, ResidualPostProcessor):
+            raise TypeError("residual_post_processor must be ResidualClipping(...), NoResidualPostProcessing() or "
+                            "another object with update(residual, threshold, iteration) (the ResidualPostProcessor "
+                            f"protocol), got {type(self.residual_post_processor).__name__}")
         if not isinstance(self.encoding_debug, bool):
             raise TypeError(f"encoding_debug must be True or False, got {self.encoding_debug!r}")
 
@@ -122,6 +118,9 @@ class GradientSharing(Algorithm):
         from ._run import SharingRun
 
         return SharingRun(worker, job, spec, state, rank)
+
+    def create_device_run(self, runtime):
+        return SharingDeviceRun(runtime)
 
     def resume_state(self, meta, url, network, storage_options=None):
         # Gradient sharing goes on from the threshold the workers had reached (with the

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ...distributed._messages import Order, Reply
+from ...stats._record import RoundFigures
 
-__all__ = ["ShareWith", "HaveOrder", "HaveReply", "SyncOrder", "SyncReply", "NextRoundOrder", "Messages"]
+__all__ = ["SharingFigures", "ShareWith", "HaveOrder", "HaveReply", "SyncOrder", "SyncReply", "NextRoundOrder", "Messages"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,24 @@ class Messages(Reply):
     """Messages a peer asked for, in the order of its keys."""
 
     messages: list = ()
+
+
+@dataclass(frozen=True)
+class SharingFigures(RoundFigures):
+    """Gradient sharing's figures of a round, on both runtimes: the bytes of the messages
+    sent (each counted once per peer) against dense fp32, each worker's threshold at its
+    last step, the mean sparsity sent, the longest wait for stale peers, the encoding
+    record (``encoding_debug``), messages relayed (tree mesh) and fetched at the sync.
+    The averaging figures are zero (no mean is taken)."""
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    threshold: dict = field(default_factory=dict)
+    sparsity: float | None = None
+    stale_wait: float = 0.0
+    encoding_debug: dict = field(default_factory=dict)
+    relayed: int = 0
+    fetched_at_sync: int = 0
+    avg_time: float = 0.0
+    fetch_time: float = 0.0
+    bytes_received: int = 0

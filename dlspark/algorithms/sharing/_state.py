@@ -18,9 +18,10 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from ... import config
-from ._encoding import BITMAP, EMPTY, decode_into, empty_message, encode_scratch, threshold_encode
+from ._encoding import EMPTY, decode_into, empty_message, encode_scratch, threshold_encode
+from ._xla import sparsity_of
 
-__all__ = ["SharingState"]
+__all__ = ["SharingState", "Encoded", "encode_step", "SumVectors", "add_pieces", "sharing_functions"]
 
 def _aligned_zeros(n):
     """A zeroed fp32 vector whose data starts on a 64-byte boundary: XLA's CPU client
@@ -126,6 +127,31 @@ def sharing_functions(net) -> SharingFunctions:
     if donate not in cache:
         cache[donate] = _sharing_functions(net.steps, net.state.params, donate)
     return cache[donate]
+
+
+class Encoded(NamedTuple):
+    """One replica's step after :func:`encode_step`."""
+
+    message: np.ndarray
+    threshold: float
+    count: int  # elements moved
+    sparsity: float  # what the threshold algorithm was told
+    tstate: object  # the threshold state after the step
+
+
+def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: int) -> tuple:
+    """A replica's encode of one step, on either runtime, after its update was added to its
+    ``residual``: the threshold (``prepare``), the message of what crossed it (taken out of
+    the residual, in place; fewer than 2 elements send an EMPTY note), the post-processor
+    (``iteration``: the replica's message number, from 1), then the threshold's update with
+    the sparsity sent (:func:`~._xla.sparsity_of`: a bitmap counts as 1/16, an empty
+    message as 0). Returns ``(Encoded, residual)``."""
+    tstate = algo.prepare(tstate, residual)
+    t = tstate.threshold
+    enc = threshold_encode(residual, t, out=residual, scratch=scratch, min_count=2)
+    residual = post.update(residual, t, iteration)
+    sparsity = sparsity_of(enc.count, residual.size)
+    return Encoded(enc.message, float(t), enc.count, sparsity, algo.update(tstate, sparsity)), residual
 
 
 class SharingState:
@@ -259,7 +285,7 @@ class SharingState:
         """Run the steps of one round over ``batches`` (``(examples, device batch)`` pairs);
         ``send(step, message)`` ships a message to the peers."""
         job = self.job
-        losses, stats, nbytes, examples = [], [], 0, 0
+        losses, stats, nbytes, examples, sparsities = [], [], 0, 0, []
         stale_wait = 0.0
         state = job.state if self.device is None else jax.device_put(job.state, self.device)
         rec = job.stats
@@ -284,12 +310,10 @@ class SharingState:
                 continue
             state = state.replace(opt_state=opt, model_state=ms, rng=rng)
             add_pieces(self.residual, pieces)
-            self.tstate = self.algo.prepare(self.tstate, self.residual)
-            t = self.tstate.threshold
-            # In place; a step that would move fewer than 2 elements sends an EMPTY note.
-            enc = threshold_encode(self.residual, t, out=self.residual, scratch=self.scratch, min_count=2)
             self.step += 1
-            message = enc.message
+            enc, self.residual = encode_step(self.algo, self.post, self.tstate, self.residual, self.scratch,
+                                             self.step)
+            t, message = enc.threshold, enc.message
             if rec.on:
                 rec.mark("encode", step=self.step, threshold=float(t), sparsity=enc.count / self.n,
                          bytes=int(message.nbytes))
@@ -305,10 +329,9 @@ class SharingState:
             if rec.on:  # the apply's own time: wait for it (only while recording)
                 jax.block_until_ready(state)
                 rec.mark("apply")
-            self.residual = self.post.update(self.residual, t, self.step)
             fmt = int(message[0])
-            sparsity = 1.0 / 16 if fmt == BITMAP else (enc.count / self.n if fmt != EMPTY else 0.0)
-            self.tstate = self.algo.update(self.tstate, sparsity)
+            self.tstate = enc.tstate
+            sparsities.append(enc.sparsity)
             rec.mark("threshold")
             if self.debug:
                 stats.append({"step": self.step, "threshold": float(t), "sparsity": enc.count / self.n,
@@ -322,7 +345,8 @@ class SharingState:
         losses = [float(x) for x in losses]
         return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": examples, "last_step": self.step,
                 "bytes_sent": nbytes, "dense_bytes": 4 * self.n * len(peers) * len(losses),
-                "threshold": float(self.tstate.threshold), "stale_wait": stale_wait, "debug": stats}
+                "threshold": float(self.tstate.threshold), "stale_wait": stale_wait, "debug": stats,
+                "sparsity": float(np.mean(sparsities)) if sparsities else None}
 
     def apply_pending(self, extra=()):
         """Apply fetched and still pending messages (the round's sync); params only. Only the

@@ -13,12 +13,16 @@ states are NamedTuples. Names, defaults and meanings follow DL4J's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ThresholdState", "AdaptiveThreshold", "TargetSparsityThreshold", "FixedThreshold",
+__all__ = ["ThresholdAlgorithm", "ResidualPostProcessor", "ThresholdState", "AdaptiveThreshold", "TargetSparsityThreshold", "FixedThreshold",
            "ResidualClipping", "NoResidualPostProcessing", "DEFAULT_DECAY"]
+
+_clip = jax.jit(lambda r, lim: jnp.clip(r, -lim, lim))
 
 #: DL4J's default decay: the threshold halves (or doubles) over 20 steps.
 DEFAULT_DECAY = 0.5 ** (1 / 20)
@@ -32,12 +36,57 @@ class ThresholdState(NamedTuple):
     steps: int = 0
 
 
+@runtime_checkable
+class ThresholdAlgorithm(Protocol):
+    """What gradient sharing asks of a threshold algorithm (any object with these four methods).
+
+    Each method is pure: it returns a new :class:`ThresholdState` and changes nothing.
+    ``init`` starts a replica; ``prepare`` gives the threshold that encodes this step's
+    residual (after the update was added); ``update`` moves it after the step, told the
+    sparsity sent (a dense bitmap counts as 1/16, an empty message as 0); ``reduce``
+    combines the replicas' states at the end of a fit into the one carried to the next.
+    Its ``repr`` names it in checkpoints (a resumed fit goes on from the thresholds
+    reached only with an equal ``repr``).
+    """
+
+    def init(self) -> ThresholdState: ...
+
+    def prepare(self, state: ThresholdState, residual: np.ndarray) -> ThresholdState: ...
+
+    def update(self, state: ThresholdState, sparsity: float) -> ThresholdState: ...
+
+    def reduce(self, states: Sequence[ThresholdState]) -> ThresholdState: ...
+
+
+@runtime_checkable
+class ResidualPostProcessor(Protocol):
+    """What gradient sharing asks of a residual post-processor: ``update(residual, threshold,
+    iteration) -> residual`` after each step's encoding (``iteration`` counts the replica's
+    messages from 1). It may work in place on the float32 ``residual``.
+
+    A post-processor may also provide ``update_on_device(residual, threshold, iteration)``,
+    the same on a device array (jax.numpy); without it the device encoder reads the
+    residual back to the host for ``update``.
+    """
+
+    def update(self, residual: np.ndarray, threshold: float, iteration: int) -> np.ndarray: ...
+
+
 def threshold_meta(algorithm, states) -> dict:
     """A checkpoint's record of the thresholds reached, with the algorithm that reached them
     (``GradientSharing.resume_state`` reads it back; JSON has no NaN: a replica that has not
     stepped yet has no last sparsity)."""
     return {"algorithm": repr(algorithm),
             "states": [[x if np.isfinite(x) else None for x in st] for st in states]}
+
+
+def senders(states: Sequence[ThresholdState], counters: Sequence[int]) -> list:
+    """The threshold states carried out of a fit, on either runtime: those of the replicas that
+    sent a message (``counters``: each replica's messages; one that trained nothing still holds
+    the fit's starting threshold, which would pull the mean back), or every replica's when
+    none did."""
+    sent = [s for s, c in zip(states, counters) if c > 0]
+    return sent or list(states)
 
 
 def _check_threshold(name, value):
@@ -225,10 +274,19 @@ class ResidualClipping:
             np.clip(residual, -lim, lim, out=residual)
         return residual
 
+    def update_on_device(self, residual, threshold: float, iteration: int):
+        """:meth:`update` on a device vector (the same bits: one clip of float32 values)."""
+        if iteration % self.frequency == 0:
+            return _clip(residual, np.float32(self.threshold_multiple * threshold))
+        return residual
+
 
 @dataclass(frozen=True)
 class NoResidualPostProcessing:
     """Leave the residual as it is."""
 
     def update(self, residual: np.ndarray, threshold: float, iteration: int) -> np.ndarray:
+        return residual
+
+    def update_on_device(self, residual, threshold: float, iteration: int):
         return residual

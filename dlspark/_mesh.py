@@ -1,0 +1,231 @@
+"""The device runtime: what :class:`~dlspark.ParallelWrapper` gives an algorithm to run on.
+
+An algorithm's run over the devices of one process (its master's
+``create_device_run``) is written against :class:`DeviceRuntime`: the network,
+the devices, the exchange over them (:class:`MeshExchange`: the mean and the sum
+over replicas on a one-axis mesh, ``shard_map`` and ``psum``), the minibatches,
+the reporter of round statistics and the checkpoint writer. Nothing here knows
+which algorithm runs; the cluster's counterpart is ``dlspark.distributed``
+(peers and Dask comms).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .checkpoint import fit_checkpoint_bytes
+from .data import load_ref
+from .io import write_bytes
+
+__all__ = ["AXIS", "DeviceRuntime", "MeshExchange", "FitOutcome", "first", "lead", "by_device", "replica_rngs",
+           "divergence"]
+
+#: the mesh axis the replicas are laid out on
+AXIS = "replica"
+
+
+def first(tree):
+    """One device's view inside ``shard_map``: the leading replica axis (of length 1) dropped."""
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+def lead(tree):
+    """The inverse of :func:`first`."""
+    return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+
+def by_device(x) -> dict:
+    """``device -> its shard`` of a sharded array."""
+    return {s.device: s.data for s in x.addressable_shards}
+
+
+def replica_rngs(rng, n: int, saved=None) -> list:
+    """Each replica's RNG as the cluster's worker of that rank derives it: a checkpoint's
+    saved stream for its position, else rank 0's own and a fold of it for the others."""
+    dtype = np.asarray(rng).dtype
+    out = []
+    for r in range(n):
+        if saved and r < len(saved):
+            out.append(np.asarray(saved[r], dtype=dtype))
+        else:
+            out.append(np.asarray(jax.random.fold_in(rng, r)) if r else np.asarray(rng))
+    return out
+
+
+def divergence(trees) -> float:
+    """The largest absolute difference between the first tree's leaves and any other's."""
+    leaves = [jax.tree_util.tree_leaves(t) for t in trees]
+    return max((float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for other in leaves[1:] for a, b in zip(leaves[0], other)), default=0.0)
+
+
+def is_averaged(x) -> bool:
+    """Whether a leaf takes part in a mean over replicas: floating-point leaves; integer ones
+    (step counts, RNG keys) stay each replica's own."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+class MeshExchange:
+    """The exchange between replicas on one process's devices.
+
+    The counterpart of the cluster's peers: the replicas of an SPMD call
+    (:meth:`spmd`) meet in :meth:`mean` and :meth:`psum` inside it, and host code
+    sums one vector per device with :meth:`sum`. No staleness, sync or faults: the
+    devices step together.
+    """
+
+    axis = AXIS
+
+    def __init__(self, devices):
+        self.devices = list(devices)
+        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.stacked = NamedSharding(self.mesh, P(AXIS))
+        self._sum = jax.jit(lambda m: m.sum(0), out_shardings=NamedSharding(self.mesh, P()))
+        self._masks: dict = {}
+
+    def __len__(self):
+        return len(self.devices)
+
+    # -- inside an SPMD call ---------------------------------------------------------
+    def psum(self, x):
+        return jax.lax.psum(x, AXIS)
+
+    def mean(self, tree, contributes=None, n=None):
+        """The mean of the contributing replicas' floating leaves, as the cluster's
+        ``average_leaves`` computes it: in at least fp32, a sum then one divide (``n`` an
+        argument: XLA would turn a division by a constant into a multiplication). With two
+        devices the sum has one order, so it is the cluster's mean bit for bit. Integer
+        leaves stay each replica's own. ``contributes``: this replica's flag (one that had
+        no minibatch adds nothing)."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
+        wide = [leaves[i].astype(jnp.promote_types(leaves[i].dtype, jnp.float32)) for i in floats]
+        if contributes is not None:
+            wide = [jnp.where(contributes, x, jnp.zeros_like(x)) for x in wide]
+        sums = jax.lax.psum(wide, AXIS)
+        for i, s in zip(floats, sums):
+            leaves[i] = (s / n.astype(s.dtype)).astype(leaves[i].dtype)
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def spmd(self, fn, replicated=(), donate=()):
+        """``fn`` (one replica's view: every argument with a leading axis of length 1, except
+        the positions in ``replicated``) run on every device, jitted. Its outputs are
+        per replica."""
+
+        def specs(n):
+            return tuple(P() if i in replicated else P(AXIS) for i in range(n))
+
+        cache: dict = {}
+
+        def call(*args):
+            if len(args) not in cache:
+                sm = jax.shard_map(fn, mesh=self.mesh, in_specs=specs(len(args)), out_specs=P(AXIS),
+                                   check_vma=False)
+                cache[len(args)] = jax.jit(sm, donate_argnums=donate)
+            return cache[len(args)](*args)
+
+        return call
+
+    # -- on the host ------------------------------------------------------------------
+    def put(self, host_stacked):
+        """A host tree ``[replica, ...]`` placed one slice per device."""
+        return jax.device_put(host_stacked, self.stacked)
+
+    def stack(self, parts):
+        """Per-device trees (each leaf with a leading axis of 1, on its device) as one sharded tree."""
+        return jax.tree_util.tree_map(
+            lambda *xs: jax.make_array_from_single_device_arrays((len(xs),) + xs[0].shape[1:], self.stacked,
+                                                                 list(xs)), *parts)
+
+    def sum(self, per_device):
+        """The sum of one vector per device, in XLA; returns each device's copy of it."""
+        stacked = jax.make_array_from_single_device_arrays(
+            (len(self.devices),) + per_device[0].shape, self.stacked, [v[None] for v in per_device])
+        total = by_device(self._sum(stacked))
+        return [total[d] for d in self.devices]
+
+    def replica(self, tree, r: int = 0):
+        """Replica ``r`` of a stacked tree, on the host."""
+        return jax.tree_util.tree_map(lambda x: np.asarray(by_device(x)[self.devices[r]])[0], tree)
+
+    def mask(self, contributors):
+        """Which replicas contribute, one flag per device (kept: rounds reuse a few)."""
+        key = tuple(contributors)
+        if key not in self._masks:
+            self._masks[key] = self.put(np.array([r in key for r in range(len(self.devices))]))
+        return self._masks[key]
+
+
+@dataclass
+class FitOutcome:
+    """What an algorithm's device run hands back: the state to keep (replica 0's), the
+    replicas' parameters (for ``replica_divergence``), the round statistics, what the
+    algorithm carries to the next fit, and ``algorithm_state`` as a cluster job's
+    result carries it (its driver's ``result_state``): the master's ``after_fit`` takes
+    it as it takes a cluster job's result."""
+
+    state: object
+    stats: list
+    replica_params: list = field(default_factory=list)
+    carried: object = None
+    algorithm_state: dict = field(default_factory=dict)
+    #: figures the wrapper publishes as they are (e.g. the encoder that ran)
+    published: dict = field(default_factory=dict)
+
+
+class DeviceRuntime:
+    """What a :class:`~dlspark.ParallelWrapper` fit offers an algorithm's device run.
+
+    Attributes
+    ----------
+    network, master : Network, Algorithm
+    exchange : MeshExchange
+    devices : list of jax.Device
+    algorithm_state : dict
+        What the master carried from the last fit (or the resumed checkpoint).
+    published : dict
+        Running figures the wrapper shows as attributes.
+    """
+
+    def __init__(self, network, master, exchange: MeshExchange, algorithm_state: dict, *, loader=None,
+                 storage_options=None, checkpoint_options=None, options: dict | None = None,
+                 cache: dict | None = None):
+        self.network, self.master, self.exchange = network, master, exchange
+        self.devices = exchange.devices
+        self.algorithm_state = algorithm_state
+        self.loader, self.storage_options = loader, storage_options
+        self.checkpoint_options = dict(checkpoint_options or {})
+        #: runtime settings an algorithm may read (e.g. ``sharing_encoder``)
+        self.options = dict(options or {})
+        self.reporter = None
+        #: kept by the wrapper from fit to fit (an algorithm's compiled functions)
+        self.cache = {} if cache is None else cache
+
+    def load(self, ref):
+        """A minibatch, read and checked against the network."""
+        ds = load_ref(ref, self.loader, self.storage_options)
+        self.network.check_batch(ds)
+        return ds
+
+    def report(self, stat) -> None:
+        """Hand a round's statistics to the progress bar and the callbacks."""
+        if self.reporter is not None:
+            self.reporter(stat)
+
+    def write_checkpoint(self, url, state, *, step, epoch, progress, worker_rngs, meta=None, aux=None) -> None:
+        """Write what the cluster's first worker writes: ``state`` (rank 0's), every replica's
+        RNG, the algorithm's metadata and arrays."""
+        write_bytes(url, fit_checkpoint_bytes(state, self.network, step=step, epoch=epoch, progress=progress,
+                                              worker_rngs=worker_rngs, meta=meta, aux=aux),
+                    **self.checkpoint_options)
+
+    @staticmethod
+    def clock() -> float:
+        return time.perf_counter()

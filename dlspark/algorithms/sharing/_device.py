@@ -1,0 +1,335 @@
+"""Gradient sharing over the devices of one process (the device runtime, :mod:`dlspark._mesh`).
+
+Every device holds a replica with its own updater state, residual and threshold.
+The replicas step in lockstep: at step ``j`` device ``i`` fits minibatch ``j * n +
+i`` of the epoch and runs the workers' own step (:func:`~._state.encode_step`: the
+update added to the residual, the part that crossed the threshold taken out as a
+message, the post-processor, the threshold's update), and every replica applies
+the sum of all devices' messages, so that the parameters stay equal. This is
+synchronous delivery: the cluster's staleness, sync and faults do not arise.
+
+Two encoders, the same bits: ``"host"`` runs the workers' encoder on the host
+(faster on XLA's CPU backend, where the devices are the host's cores), ``"xla"``
+encodes on each device and sums over the devices in XLA (for accelerators; a
+property test holds it to the host encoder's results).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from ..._mesh import FitOutcome, replica_rngs
+from ...stats._record import RoundStats
+from ._encoding import EMPTY, decode_into, encode_scratch
+from ._messages import SharingFigures
+from ._state import SumVectors, add_pieces, encode_step, sharing_functions
+from ._thresholds import senders, threshold_meta
+from ._xla import encode_on_device_jit, message_bytes, sparsity_of
+
+__all__ = ["SharingDeviceRun", "ENCODERS", "resolve_encoder"]
+
+ENCODERS = ("auto", "host", "xla")
+
+
+def resolve_encoder(encoder: str, devices) -> str:
+    if encoder not in ENCODERS:
+        raise ValueError(f"sharing_encoder must be one of {ENCODERS}, got {encoder!r}")
+    if encoder == "auto":
+        return "host" if devices[0].platform == "cpu" else "xla"
+    return encoder
+
+
+class _Lazy:
+    """A device vector that the threshold algorithm's ``prepare`` reads only if it needs it."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.x)
+        return a if dtype is None else a.astype(dtype)
+
+
+def _loader(runtime, refs, order, depth):
+    """Yield each step's minibatches, ``[(examples, batch on its device) or None] * devices``,
+    loaded ahead on a thread (``depth`` steps)."""
+    devices = runtime.devices
+    n = len(devices)
+    steps = [order[j:j + n] for j in range(0, len(order), n)]
+    q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for group in steps:
+                out = []
+                for i, dev in enumerate(devices):
+                    if i < len(group):
+                        ds = runtime.load(refs[group[i]])
+                        out.append((len(ds), jax.device_put(ds.jit_batch(), dev)))
+                    else:
+                        out.append(None)
+                while not stop.is_set():
+                    try:
+                        q.put(out, timeout=0.05)
+                        break
+                    except queue.Full:
+                        pass
+            q.put(None)
+        except BaseException as e:  # raised where the fit waits for the step
+            q.put(e)
+
+    thread = threading.Thread(target=produce, name="dlspark-parallel-load", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+class _Replicas:
+    """The devices' replicas and their sharing state."""
+
+    def __init__(self, runtime, encoder, saved_rngs=None):
+        net, master = runtime.network, runtime.master
+        self.rt, self.net, self.master = runtime, net, master
+        self.devices = runtime.devices
+        self.encoder = encoder
+        self.algo, self.post = master.threshold_algorithm, master.residual_post_processor
+        self.n = int(ravel_pytree(net.state.params)[0].size)
+        fns = sharing_functions(net)
+        self.apply_flat, self.add_flat = fns.apply_flat, fns.add_flat
+        # the host encoder adds the update's pieces to its residual; the XLA one takes it flat
+        self.update = fns.update if encoder == "host" else fns.flat_update
+        rngs = replica_rngs(net.state.rng, len(self.devices), saved_rngs)
+        # copies (the steps donate them): the network keeps its state until the fit succeeds
+        self.states = [jax.device_put(net.state.replace(rng=rng), d, may_alias=False)
+                       for rng, d in zip(rngs, self.devices)]
+        start = master.carried_threshold(runtime.algorithm_state) or self.algo.init()
+        self.tstates = [start] * len(self.devices)
+        self.steps = [0] * len(self.devices)  # each replica's message counter
+        if encoder == "host":
+            self.residuals = [np.zeros(self.n, np.float32) for _ in self.devices]
+            self.scratch = [encode_scratch(self.n) for _ in self.devices]
+            self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="dlspark-encode")
+            # The decoded sum of a step, as on a worker (every CPU device reads it in place:
+            # device_put of an aligned host vector aliases it). Reuse of its vectors is safe: a
+            # vector is written again two steps later, when every replica has finished reading
+            # it. A replica that trained in the step between read back that step's update, which
+            # waits for the apply before it; an idle replica's add is waited for in its own step.
+            self.totals = SumVectors(self.n)
+        else:
+            self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
+            self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
+
+    def close(self):
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    # -- one step on every device ---------------------------------------------------
+    def step(self, batches, on_bad):
+        """Fit one minibatch per device (``None``: that device has none this step); returns
+        ``(losses by device, examples, bytes sent, thresholds, sparsities)`` of the devices
+        that trained."""
+        outs = [None if b is None else self.update(self.states[i], self.states[i].opt_state, b[1])
+                for i, b in enumerate(batches)]
+        finite = jax.device_get([None if o is None else o[5] for o in outs])
+        active = []
+        for i, o in enumerate(outs):
+            if o is None:
+                continue
+            if not finite[i]:
+                # "raise" stops here (the fit's states are dropped: the step wrote over this
+                # one's updater state); "skip" leaves this minibatch out
+                on_bad(i, float(o[4]))
+                self.states[i] = self.states[i].replace(rng=o[3])  # no replay of the same dropout mask
+                outs[i] = None
+                continue
+            active.append(i)
+        encode = self._encode_host if self.encoder == "host" else self._encode_xla
+        totals, sent, ts, sparsities = encode(outs, active)
+        idle = []
+        for i, o in enumerate(outs):
+            if o is None:  # the sum of the others' messages still reaches this replica
+                self.states[i] = self.add_flat(self.states[i], totals[i])
+                idle.append(self.states[i])
+            else:
+                self.states[i] = self.apply_flat(self.states[i].replace(opt_state=o[1], model_state=o[2], rng=o[3]),
+                                                 totals[i])
+        losses = dict(zip(active, (float(x) for x in jax.device_get([outs[i][4] for i in active]))))
+        if idle and self.encoder == "host":  # nothing else waits for these reads of the reused vector
+            jax.block_until_ready(idle)
+        return losses, sum(batches[i][0] for i in active), sent, ts, sparsities
+
+    def _encode_one(self, i, update):
+        """Replica ``i``'s message of this step (host encoder): the workers' own step. Replicas
+        encode on threads of their own (the scan and numpy's loops release the GIL), each
+        with its own scratch."""
+        add_pieces(self.residuals[i], update)
+        self.steps[i] += 1
+        enc, self.residuals[i] = encode_step(self.algo, self.post, self.tstates[i], self.residuals[i],
+                                             self.scratch[i], self.steps[i])
+        self.tstates[i] = enc.tstate
+        return enc
+
+    def _encode_host(self, outs, active):
+        if len(active) > 1:
+            done = list(self.pool.map(lambda i: self._encode_one(i, outs[i][0]), active))
+        else:
+            done = [self._encode_one(i, outs[i][0]) for i in active]
+        total = self.totals.take()
+        sent = 0
+        for enc in done:  # summed in replica order: the same bits as one thread
+            if enc.message[0] != EMPTY:
+                decode_into(enc.message, total)
+            sent += int(enc.message.nbytes) * (len(self.devices) - 1)
+        return ([jax.device_put(total, d) for d in self.devices], sent, [e.threshold for e in done],
+                [e.sparsity for e in done])
+
+    def _encode_xla(self, outs, active):
+        moved, counts, ts = list(self.zeros), {}, {}
+        for i in active:
+            r = self.residuals[i] + outs[i][0]
+            self.tstates[i] = self.algo.prepare(self.tstates[i], _Lazy(r))
+            t = ts[i] = self.tstates[i].threshold
+            moved[i], self.residuals[i], counts[i] = encode_on_device_jit(r, np.float32(t), min_count=2)
+        totals = self.rt.exchange.sum(moved)  # over the devices, in XLA
+        counts = dict(zip(counts, (int(c) for c in jax.device_get(list(counts.values())))))
+        sent, sparsities = 0, []
+        for i in active:
+            t = ts[i]
+            self.steps[i] += 1
+            sent += message_bytes(counts[i], self.n) * (len(self.devices) - 1)
+            on_device = getattr(self.post, "update_on_device", None)
+            if on_device is not None:
+                self.residuals[i] = on_device(self.residuals[i], t, self.steps[i])
+            else:  # a post-processor of host arrays only: the residual makes the round trip
+                host = np.array(self.residuals[i])
+                self.residuals[i] = jax.device_put(self.post.update(host, t, self.steps[i]), self.devices[i])
+            sparsity = sparsity_of(counts[i], self.n)
+            self.tstates[i] = self.algo.update(self.tstates[i], sparsity)
+            sparsities.append(sparsity)
+        return totals, sent, [float(ts[i]) for i in active], sparsities
+
+    def carried_states(self):
+        return senders(self.tstates, self.steps)
+
+    def write_checkpoint(self, url, step, epoch, progress):
+        """What the cluster's first worker writes: replica 0's state, every replica's RNG and
+        the thresholds reached. Residuals are not kept (the cluster's checkpoints do not keep
+        them either, nor do DL4J's): a resumed fit starts with empty residuals, so its first
+        steps may send nothing until they fill to the threshold reached, and every replica
+        starts from replica 0's updater state."""
+        rngs = [np.asarray(s.rng).tolist() for s in self.states]
+        meta = {"threshold_states": threshold_meta(self.algo, self.carried_states())}
+        self.rt.write_checkpoint(url, jax.device_get(self.states[0]), step=step, epoch=epoch, progress=progress,
+                                 worker_rngs=rngs, meta=meta)
+
+
+class SharingDeviceRun:
+    """One :class:`~dlspark.ParallelWrapper` fit with gradient sharing (``steps_per_round``
+    lockstep steps make a round of the statistics)."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.encoder = resolve_encoder(runtime.options.get("sharing_encoder", "auto"), runtime.devices)
+
+    def fit(self, refs, partitions, epochs, skip=(), saved_rngs=None, epochs_done=0, epochs_total=None,
+            checkpoint_every=None, checkpoint_url=None) -> FitOutcome:
+        rt = self.rt
+        net, master = rt.network, rt.master
+        epochs_total = epochs if epochs_total is None else epochs_total
+        home = next(iter(jax.tree_util.tree_leaves(net.state)[0].devices()))
+        reps = _Replicas(rt, self.encoder, saved_rngs)
+        try:
+            base_step, base_epoch = net.iteration, net.epoch
+            n_dev = len(reps.devices)
+            stats, trained = [], 0
+            depth = max(1, master.worker_prefetch_num_batches)
+
+            def on_bad(i, loss):
+                net.nonfinite(base_step + trained, loss)
+
+            round_no = 0
+            for epoch in range(epochs):
+                reps.states = [s.replace(epoch=jax.device_put(np.int32(base_epoch + epoch), d))
+                               for s, d in zip(reps.states, reps.devices)]
+                done = set(skip) if epoch == 0 else set()
+                order = [i for i in range(len(refs)) if i not in done]
+                row = _Row(n_dev)
+                t_round = rt.clock()
+                for j, batches in enumerate(_loader(rt, refs, order, depth)):
+                    t0 = rt.clock()
+                    losses, examples, sent, ts, sp = reps.step(batches, on_bad)
+                    row.add(rt.clock() - t0, losses, examples, sent, 4 * reps.n * (n_dev - 1) * len(losses), ts, sp)
+                    trained += len(losses)
+                    done.update(order[j * n_dev:(j + 1) * n_dev])  # a skipped non-finite minibatch counts as done
+                    if (j + 1) % master.steps_per_round == 0 or len(done) == len(refs):
+                        round_no += 1
+                        stat = row.finish(round_no, epoch, trained, rt.clock() - t_round)
+                        stats.append(stat)
+                        rt.report(stat)
+                        if checkpoint_every and round_no % checkpoint_every == 0:
+                            over = len(done) == len(refs)  # an epoch's last round: the checkpoint is at the next's start
+                            progress = {"epoch": epochs_done + epoch + over, "done": [] if over else sorted(done),
+                                        "epochs_total": epochs_total, "minibatches": len(refs)}
+                            reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + epoch + over,
+                                                  progress)
+                        row, t_round = _Row(n_dev), rt.clock()
+            final = jax.device_put(reps.states[0].replace(step=np.int32(base_step + trained),
+                                                          epoch=np.int32(base_epoch + epochs)), home)
+            return FitOutcome(final, stats, replica_params=[s.params for s in reps.states],
+                              algorithm_state={"threshold_states": reps.carried_states()},
+                              published={"sharing_encoder": self.encoder})
+        finally:
+            reps.close()
+
+
+class _Row:
+    """A round's figures as the steps add up, then its statistics with the cluster's keys."""
+
+    def __init__(self, n_dev):
+        self.n_dev = n_dev
+        self.fit_time, self.examples, self.bytes_sent, self.dense_bytes = 0.0, 0, 0, 0
+        self.losses: dict = {r: [] for r in range(n_dev)}
+        self.thresholds: dict = {}
+        self.sparsities: list = []
+
+    def add(self, fit_time, losses, examples, sent, dense, thresholds, sparsities):
+        self.fit_time += fit_time
+        for r, x in losses.items():
+            self.losses[r].append(x)
+        for r, t in zip(sorted(losses), thresholds):
+            self.thresholds[r] = t  # a replica's threshold at its last step, as a worker reports it
+        self.examples += examples
+        self.bytes_sent += sent
+        self.dense_bytes += dense
+        self.sparsities += sparsities
+
+    def finish(self, round_no, epoch, trained, round_time):
+        flat = [x for r in sorted(self.losses) for x in self.losses[r]]
+        workers = [r for r in range(self.n_dev) if self.losses[r]]
+        return RoundStats.build(
+            round=round_no, epoch=epoch, minibatches=len(flat), examples=self.examples,
+            loss=(sum(flat) / len(flat)) if flat else None, workers=len(workers), round_time=round_time,
+            fit_time_max=self.fit_time, worker_fit_time={r: self.fit_time for r in workers},
+            worker_steps={r: len(self.losses[r]) for r in workers}, data_wait={r: 0.0 for r in workers},
+            trained_total=trained, attempts=0,
+            extra=SharingFigures(bytes_sent=self.bytes_sent, dense_bytes=self.dense_bytes,
+                                 threshold=dict(self.thresholds),
+                                 sparsity=float(np.mean(self.sparsities)) if self.sparsities else None))

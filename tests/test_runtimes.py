@@ -1,0 +1,133 @@
+"""One algorithm, two runtimes: the rules the cluster and ParallelWrapper share.
+
+Each test here is a place where the two runtimes once disagreed: the threshold carried
+to the next fit, the multi-output evaluation rule, ``communication`` as an attribute,
+a master that changes only its cluster side, and the round statistics' keys. The
+cluster side of each rule is tested in its own module; the slow tests here run the
+same job on both and compare.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import MLP
+
+import dlspark
+from dlspark import DataSet, DistributedTrainer, GradientSharing, ParallelWrapper, ParameterAveraging
+from dlspark.algorithms.averaging._messages import AveragingFigures
+from dlspark.algorithms.sharing import AdaptiveThreshold
+from dlspark.algorithms.sharing._messages import SharingFigures
+from dlspark.stats._record import COMMON_KEYS, RoundStats
+
+CPU2 = jax.devices("cpu")[:2]
+
+
+def _keys(figures):
+    return set(COMMON_KEYS) | {f.name for f in dataclasses.fields(figures)}
+
+
+def test_the_threshold_carried_is_the_mean_over_the_replicas_that_sent(make_net, digits):
+    # One minibatch an epoch: the second device never trains, and still holds the fit's
+    # starting threshold; the cluster leaves such a worker out of the mean, and so must this.
+    tr, _ = digits
+    # a low starting threshold: every step sends more than the band allows, so it climbs
+    master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=AdaptiveThreshold(initial=1e-4))
+    one = ParallelWrapper(make_net(updater=optax.sgd(0.1)), master, CPU2[:1], progress=False)
+    one.fit(tr[:32], epochs=3)
+    two = ParallelWrapper(make_net(updater=optax.sgd(0.1)), master, CPU2, progress=False)
+    two.fit(tr[:32], epochs=3)
+    assert one.threshold_state.steps == two.threshold_state.steps == 3
+    assert two.threshold_state.threshold == one.threshold_state.threshold > 1e-4
+    _same(one.network.state.params, two.network.state.params)
+
+
+def test_a_multi_output_network_is_evaluated_one_output_at_a_time(make_net):
+    def init(rng, x):
+        return {"w": jnp.ones((3, 2)), "v": jnp.ones((3, 1))}
+
+    def apply(p, xs, train, rng):
+        return xs[0] @ p["w"], xs[0] @ p["v"]
+
+    x = np.random.default_rng(0).normal(size=(20, 3)).astype(np.float32)
+    net = dlspark.Network(dlspark.Model(init, apply, (np.zeros((1, 3), np.float32),)), loss=("mcxent", "mse"))
+    labels = (np.eye(2, dtype=np.float32)[np.arange(20) % 2], np.zeros((20, 1), np.float32))
+    data = dlspark.MultiDataSet((x,), labels)
+    wrapper = ParallelWrapper(net, ParameterAveraging(), CPU2[:1], progress=False)
+    with pytest.raises(ValueError, match=r"this network has 2 outputs; evaluate one at a time with output=0 \.\. 1"):
+        wrapper.evaluate(data)
+    with pytest.raises(ValueError, match="output=2 but this network has 2 outputs"):
+        wrapper.evaluate(data, output=2)
+    reg = wrapper.evaluate_regression(data, output=1)
+    np.testing.assert_allclose(reg.mean_squared_error(0), np.mean(np.asarray(x.sum(1)) ** 2), rtol=1e-5)
+
+
+def test_communication_and_replica_divergence_are_attributes_as_on_a_cluster(make_net, digits):
+    tr, _ = digits
+    wrapper = ParallelWrapper(make_net(), GradientSharing(batch_size_per_worker=32), CPU2, progress=False)
+    wrapper.fit(tr[:256])
+    assert wrapper.communication == wrapper.published["communication"]
+    assert 0 < wrapper.communication["bytes_sent"] < wrapper.communication["dense_bytes"]
+    assert wrapper.communication["bytes_sent"] == sum(s["bytes_sent"] for s in wrapper.last_fit_stats)
+    assert wrapper.replica_divergence == 0.0
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        wrapper.nothing
+
+
+def test_a_master_that_changes_only_its_cluster_side_is_refused_by_the_wrapper(make_net):
+    class TopK(ParameterAveraging):
+        def create_run_on_worker(self, worker, job, spec, state, rank):  # another algorithm on a cluster
+            raise AssertionError("not called here")
+
+    with pytest.raises(NotImplementedError, match="TopK runs on a DistributedTrainer; it defines no create_device_run"):
+        ParallelWrapper(make_net(), TopK(), CPU2, progress=False)
+    ParallelWrapper(make_net(), ParameterAveraging(), CPU2, progress=False)  # its parent still runs
+
+
+@pytest.mark.parametrize("master, figures", [
+    (ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2), AveragingFigures),
+    (GradientSharing(batch_size_per_worker=32, steps_per_round=2), SharingFigures)])
+def test_round_statistics_are_one_typed_record_with_the_clusters_keys(make_net, digits, master, figures):
+    tr, _ = digits
+    wrapper = ParallelWrapper(make_net(), master, CPU2, progress=False)
+    wrapper.fit(tr[:320])  # 10 minibatches: 3 rounds, the last short
+    stats = wrapper.last_fit_stats
+    assert len(stats) == 3
+    for s in stats:
+        assert isinstance(s, RoundStats) and isinstance(s.extra, figures)
+        assert set(s) == _keys(figures)
+        assert all(isinstance(s[k], dict) for k in ("worker_fit_time", "worker_steps", "data_wait"))
+    assert sum(sum(s.worker_steps.values()) for s in stats) == 10 == stats[-1].trained_total
+    if figures is SharingFigures:
+        assert set(stats[0].threshold) == {0, 1}
+
+
+# -- the same job on both runtimes (conftest's client2: a 2-worker LocalCluster) ------------
+def _same(a, b, atol=0.0):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
+
+
+@pytest.mark.slow
+def test_both_runtimes_give_the_same_statistics_keys_and_figures(client2, make_net, digits):
+    tr, _ = digits
+    for master, figures in ((ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2,
+                                                training_approach="direct"), AveragingFigures),
+                            (GradientSharing(batch_size_per_worker=32, steps_per_round=2,
+                                             training_approach="direct"), SharingFigures)):
+        cluster = DistributedTrainer(client2, make_net(MLP(dropout=0.3)), master, progress=False)
+        cluster.fit(tr[:320])
+        here = ParallelWrapper(make_net(MLP(dropout=0.3)), master, CPU2, progress=False)
+        here.fit(tr[:320])
+        assert [set(s) for s in cluster.last_fit_stats] == [set(s) for s in here.last_fit_stats] \
+            == [_keys(figures)] * 3
+        assert [s["trained_total"] for s in cluster.last_fit_stats] == [s["trained_total"] for s in here.last_fit_stats]
+        if figures is AveragingFigures:  # the same parameters, as before
+            _same(cluster.network.state.params, here.network.state.params, atol=1e-5)
+        else:  # communication and replica_divergence on both
+            for t in (cluster, here):
+                assert t.communication["bytes_sent"] == sum(s["bytes_sent"] for s in t.last_fit_stats) > 0
+                assert t.replica_divergence < 1e-5
