@@ -12,6 +12,7 @@ between workers only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -71,7 +72,7 @@ class _JobShell:
             if instructions:
                 self.stats.add("plan", t0, self.stats.now(), event=type(event).__name__)
             for instruction in instructions:
-                getattr(self, f"_do_{type(instruction).__name__}")(instruction)
+                self._carry_out(instruction)
         except Exception as e:  # a defect here must fail the job, not hang its client
             logger.exception("dlspark job %s: the coordinator failed on %r", self.job, event)
             self.machine.over = True
@@ -86,6 +87,12 @@ class _JobShell:
         return addr not in self.scheduler.workers
 
     # -- instructions ---------------------------------------------------------------
+    @functools.singledispatchmethod
+    def _carry_out(self, instruction):
+        """Carry out one of the machine's instructions, dispatched by its type."""
+        raise TypeError(f"the scheduler plugin has no handler for the instruction {type(instruction).__name__}")
+
+    @_carry_out.register
     def _do_Send(self, i: Send):
         self._spawn(self._send(i))
 
@@ -105,6 +112,7 @@ class _JobShell:
             return self.feed(Failed(i.worker, i.seq, _unwrap(resp["error"])))
         self.feed(Replied(i.worker, i.seq, _unwrap(resp["reply"])))
 
+    @_carry_out.register
     def _do_Probe(self, i: Probe):
         self._spawn(self._probe(i.worker))
 
@@ -121,6 +129,7 @@ class _JobShell:
                            self.job, addr)
         self.feed(Probed(addr, alive))
 
+    @_carry_out.register
     def _do_Join(self, i: Join):
         self._spawn(self._join(i))
 
@@ -140,6 +149,7 @@ class _JobShell:
             self.clocks.update(await measure_workers(self.scheduler.rpc, [i.worker]))
         self.feed(Joined(i.worker))
 
+    @_carry_out.register
     def _do_Emit(self, i: Emit):
         if i.msg.get("event") == "join-failed":
             logger.warning("dlspark job %s: worker %s could not join: %s", self.job, i.msg["worker"], i.msg["error"])
@@ -152,18 +162,22 @@ class _JobShell:
             self.stats.add("round", t - i.msg["round_time"], t, "rounds", number=i.msg["round"])
             self.plugin.live.round_done(self.job, i.msg)
 
+    @_carry_out.register
     def _do_Timer(self, i: Timer):
         asyncio.get_running_loop().call_later(i.seconds, self.feed, i.event)
 
+    @_carry_out.register
     def _do_Finish(self, i: Finish):
         self.result = {"result": to_serialize(i.result)}
         self.done.set()
 
+    @_carry_out.register
     def _do_Fail(self, i: Fail):
         logger.warning("dlspark job %s failed: %s", self.job, i.error.text)
         self.result = {"error": to_serialize(i.error)}
         self.done.set()
 
+    @_carry_out.register
     def _do_Abandon(self, i: Abandon):
         logger.warning("dlspark %s; stopping the job", i.reason)
         self.result = {"error": to_serialize(ErrorReply.from_exception(RuntimeError(i.reason)))}
