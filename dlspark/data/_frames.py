@@ -173,9 +173,9 @@ def parquet_columns(urls, features, labels=None, storage_options: dict | None = 
         raise TypeError("features must name the feature columns, e.g. features=['x0', 'x1']")
     wanted = list(dict.fromkeys(feats + (labs or ())))
     frame = dd.read_parquet(urls, storage_options=storage_options or {}, **read_options)
-    missing = [c for c in wanted if c not in frame.columns]
-    if missing:  # the full schema in the message, not the selection's
-        frame_columns(frame, missing[:1], None)
+    for names, role in ((feats, "feature"), (labs or (), "label")):
+        for name in names:  # the whole file's columns in the message, not the selection's
+            _column(frame, name, role)
     return frame_columns(frame[wanted], feats, labs)
 
 
