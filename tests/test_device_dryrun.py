@@ -90,6 +90,19 @@ def test_the_dry_run_runs_every_section_but_the_gpu_readings(report):
         assert network["status"] == "ok" and _problems(network["result"]) == []
 
 
+def test_every_measured_segment_counts_rounds_in_the_full_and_the_dry_run():
+    import run
+    import sections
+
+    for plan in (run.FULL, run.DRY):
+        gpu, cores = plan["gpu_cluster"], plan["many_core"]
+        measured = [(rounds, gpu["segments"], a) for a in gpu["algorithms"] for _, rounds in gpu["worker_batches"]]
+        measured += [(cores["n_rounds"], cores["segments"], a) for a, _ in cores["pairs"]]
+        for n_rounds, segments, algorithm in measured:
+            assert sections.counted_rounds(n_rounds, segments, algorithm) >= 1, (n_rounds, segments, algorithm)
+    assert sections.counted_rounds(24, 3, "sharing") == 0  # what the full run had first: nothing to divide by
+
+
 def test_the_lock_pins_dask_and_distributed_with_hashes():
     pins = read_lock(LOCK)
     assert {"dask", "distributed", "tornado", "zict", "tblib", "partd", "locket"} <= set(pins)

@@ -41,24 +41,24 @@ FULL = {
     # a GPU step of the MLP takes well under a millisecond: many rounds cost little, and each
     # (minibatch, rounds) keeps a segment's data near 100 MB
     "gpu_cluster": {"budget_s": 160, "digits_epochs": 12, "algorithms": ["averaging", "sharing"],
-                    "worker_batches": [[160, 200], [2048, 40]], "segments": 4, "measure_s": 25,
+                    "worker_batches": [[160, 200], [2048, 64]], "segments": 4, "measure_s": 25,
                     "memory_settings": ["preallocate_off", "fraction_30_preallocated", "fraction_30"],
                     "memory_rounds": 10},
     "gpu_parallel": {"budget_s": 50, "gpu_batches": [160, 2048], "wrapper_rounds": 20, "measure_s": 12},
     "many_core": {"budget_s": 240, "workers": [2, 4, 8], "runs": 3,
                   "pairs": [["averaging", "mlp"], ["averaging", "cnn"], ["sharing", "mlp"], ["sharing", "cnn"]],
-                  "batches": {}, "n_rounds": 24, "segments": 3, "measure_s": 15},
+                  "batches": {}, "n_rounds": 60, "segments": 3, "measure_s": 15},
     "network": {"budget_s": 40, "workers": [4, 8], "links": ["unlimited"]},
 }
 #: the dry run: the same code on CPU devices, smallest sizes, each loop's body once or twice;
 #: the budgets are ceilings, not the expected times (``--budget-scale`` widens them further)
 DRY = {
-    "gpu_cluster": {"budget_s": 300, "digits_epochs": 1, "algorithms": ["averaging"], "worker_batches": [[16, 6]],
+    "gpu_cluster": {"budget_s": 300, "digits_epochs": 1, "algorithms": ["averaging"], "worker_batches": [[16, 24]],
                     "segments": 2, "measure_s": 0,
                     "memory_settings": ["preallocate_off", "fraction_30_preallocated"], "memory_rounds": 2},
     "gpu_parallel": {"budget_s": 150, "gpu_batches": [16], "wrapper_rounds": 4, "measure_s": 0},
     "many_core": {"budget_s": 300, "workers": [2], "runs": 1, "pairs": [["averaging", "mlp"], ["sharing", "cnn"]],
-                  "batches": {"mlp": 16, "cnn": 2}, "n_rounds": 6, "segments": 2, "measure_s": 0},
+                  "batches": {"mlp": 16, "cnn": 2}, "n_rounds": 24, "segments": 2, "measure_s": 0},
     "network": {"budget_s": 30, "workers": [2], "links": ["unlimited"]},
 }
 #: the sections' budgets together in a full run; sections run alone (``--only``) share as much

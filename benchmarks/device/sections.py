@@ -88,6 +88,20 @@ class Recorder:
         self.put(key, [*self.data.get(key, []), value])
 
 
+def counted_rounds(n_rounds: int, segments: int, algorithm: str) -> int:
+    """Rounds per segment that ``bench_efficiency.measure`` counts: a segment holds
+    ``n_rounds // segments`` averaging rounds of data (5 steps each), gradient sharing makes a
+    round of 20 steps, and the first 2 rounds of each segment are left out."""
+    steps = (n_rounds // segments) * bench_efficiency_frequency()
+    return steps // (4 * bench_efficiency_frequency() if algorithm == "sharing" else bench_efficiency_frequency()) - 2
+
+
+def bench_efficiency_frequency() -> int:
+    import bench_efficiency
+
+    return bench_efficiency.FREQ
+
+
 def _jsonable(x):
     try:
         return float(x)
