@@ -67,10 +67,12 @@ nitpick_ignore_regex = [
 html_theme = "pydata_sphinx_theme"
 html_title = "dlspark"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
     "navbar_align": "left",
+    "header_links_before_dropdown": 8,
     "footer_start": ["copyright"],
     "footer_end": [],
 }

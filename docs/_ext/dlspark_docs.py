@@ -40,6 +40,20 @@ PUBLIC_MODULES = [
     "dlspark.testing",
 ]
 
+#: Modules without a page of their own: their public names are re-exported by ``dlspark``
+#: (``Network`` from ``dlspark.network``, ...) and documented there.
+IMPLEMENTATION_MODULES = [
+    "dlspark.model",
+    "dlspark.network",
+    "dlspark.checkpoint",
+    "dlspark.trainer",
+    "dlspark.parallel",
+    "dlspark.algorithms",
+    "dlspark.distributed",
+    "dlspark.cli",  # documented from its click parser on the command's page
+    "dlspark.spark",  # the pyspark bridge, reached through DistributedTrainer.fit(rdd) and dlspark.compat
+]
+
 _SUMMARY = {
     "dlspark": "The main classes: models, networks, the trainers and the algorithms.",
     "dlspark.data": "DataSets, the minibatch file format and the data sources.",
@@ -79,7 +93,7 @@ def _canonical(obj):
 
 def api_entries(module):
     """For each name in ``module.__all__``: ``("page", name)``, ``("module", target)`` or
-    ``("link", target)`` where another module's page documents the same object."""
+    ``("link", name, target)`` where another page (another module's, or another name's) documents the same object."""
     out = []
     for name in module.__all__:
         obj = getattr(module, name)
@@ -90,7 +104,7 @@ def api_entries(module):
         if where is None or where == (module.__name__, name):
             out.append(("page", name))
         else:
-            out.append(("link", f"{where[0]}.{where[1]}"))
+            out.append(("link", name, f"{where[0]}.{where[1]}"))
     return out
 
 
@@ -108,20 +122,19 @@ def api_page(module) -> str:
     lines = [name, "=" * len(name), "", f".. automodule:: {name}", "   :no-members:", "",
              f".. currentmodule:: {name}", ""]
     entries = api_entries(module)
-    pages = [n for kind, n in entries if kind == "page"]
+    pages = [e[1] for e in entries if e[0] == "page"]
     if pages:
         lines += [".. autosummary::", "   :toctree: generated", "   :nosignatures:", ""]
         lines += [f"   {n}" for n in pages] + [""]
-    mods = [n for kind, n in entries if kind == "module"]
+    mods = [e[1] for e in entries if e[0] == "module"]
     if mods:
         lines += ["Submodules", "----------", ""]
         lines += [f"- :doc:`{m}` -- {_SUMMARY.get(m, '')}" for m in mods] + [""]
-    links = [n for kind, n in entries if kind == "link"]
+    links = [e[1:] for e in entries if e[0] == "link"]
     if links:
         lines += ["Also exported here", "------------------", ""]
-        for target in links:
-            obj = getattr(importlib.import_module(target.rsplit(".", 1)[0]), target.rsplit(".", 1)[1])
-            lines.append(f"- :py:{_role(obj)}:`{target}`")
+        for name, target in links:
+            lines.append(f"- ``{name}``: :py:{_role(_resolve(target))}:`{target}`")
         lines.append("")
     return "\n".join(lines)
 
