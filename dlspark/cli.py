@@ -203,6 +203,10 @@ def _train(script, args, scheduler, slurm, local, client_cpu, timeout, tls_env):
         n = options.pop("workers", 1)
         if not isinstance(n, int) or n < 1:
             raise click.BadParameter(f"workers must be a whole number >= 1, got {n!r}", param_hint="--slurm")
+        if tls_env:  # dask-jobqueue reads no TLS settings: it takes them as a Security (which reads them)
+            from distributed.security import Security
+
+            options.setdefault("security", Security())
         try:
             cluster = slurm_cluster(n, **options)
         except TypeError as e:
