@@ -282,9 +282,12 @@ def dashboard_address(address=None, host: str | None = None) -> str | None:
     host : str, optional
         The scheduler's ``host`` (``local_cluster(host=...)``), used for a port alone.
 
+    A port alone is bound to 127.0.0.1 with a ``UserWarning`` that names the
+    way to open it wider, since Dask would have opened it.
+
     Examples
     --------
-    >>> dashboard_address(":8787")
+    >>> dashboard_address(":8787")  # doctest: +SKIP
     '127.0.0.1:8787'
     >>> dashboard_address("0.0.0.0:8787")
     '0.0.0.0:8787'
@@ -302,6 +305,15 @@ def dashboard_address(address=None, host: str | None = None) -> str | None:
                          f"or a port (':8787', on 127.0.0.1), got {address!r}") from None
     if host and "://" in str(host):
         host = str(host).split("://", 1)[1]
+    bare = [a["port"] for a in parsed if not a["address"]]
+    if bare and not host:
+        import warnings
+
+        # Dask alone listened on every interface here: say so to whoever relied on that.
+        warnings.warn(f"dashboard_address={address!r} gives a port without a host: the dashboard listens on "
+                      f"{_LOOPBACK} only (this machine). To open it to other machines give a host, e.g. "
+                      f"'0.0.0.0:{bare[0]}' (the dashboard_address argument, or dlspark.cluster.dashboard-address "
+                      "for DistributedTrainer(None, ...))", UserWarning, stacklevel=3)
     return ",".join(f"{a['address'] or host or _LOOPBACK}:{a['port']}" for a in parsed)
 
 

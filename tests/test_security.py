@@ -42,10 +42,14 @@ def _family(procs):
 
 
 def test_a_port_alone_listens_on_loopback_and_an_address_opens_it_wider():
-    assert dashboard_address(":0") == "127.0.0.1:0"  # what DistributedTrainer(None, ...) passed to Dask
-    assert dashboard_address(8787) == dashboard_address("8787") == "127.0.0.1:8787"
-    assert dashboard_address(":8787,:8788") == "127.0.0.1:8787,127.0.0.1:8788"
+    # What DistributedTrainer(None, ...) passed to Dask (every interface), and other ports alone:
+    # loopback, with a warning that names the way back.
+    for given, bound in ((":0", "127.0.0.1:0"), (8787, "127.0.0.1:8787"), ("8787", "127.0.0.1:8787"),
+                         (":8787,:8788", "127.0.0.1:8787,127.0.0.1:8788")):
+        with pytest.warns(UserWarning, match=r"listens on 127.0.0.1 only .*'0.0.0.0:\d+' .*dlspark.cluster.dashboard-address"):
+            assert dashboard_address(given) == bound
     assert dashboard_address("0.0.0.0:8787") == "0.0.0.0:8787"
+    assert dashboard_address("127.0.0.1:0") == "127.0.0.1:0"  # the default: no warning (warnings are errors here)
     assert dashboard_address(":8787", host="tcp://10.0.0.5") == "10.0.0.5:8787"  # the scheduler's own host
     assert dashboard_address(None) is None and dashboard_address(False) is None
     with pytest.raises(ValueError, match=r"dashboard_address must be HOST:PORT .*got 'a:b:c'"):
