@@ -244,7 +244,7 @@ def read_checkpoint_aux(url: str, **storage_options):
     return _read_arrays(url, z, meta, "aux.npz", "aux_leaves")
 
 
-def load_checkpoint(url: str, from_definition, **storage_options):
+def load_checkpoint(url: str, from_definition=None, **storage_options):
     """Rebuild a network from ``url``, definition included (trusted files only).
 
     Parameters
@@ -257,6 +257,10 @@ def load_checkpoint(url: str, from_definition, **storage_options):
     **storage_options
         fsspec options.
     """
+    if not callable(from_definition):
+        raise TypeError("load_checkpoint needs from_definition, the callable that builds the network from its "
+                        "definition, e.g. load_checkpoint(url, dlspark.Network.from_definition); or call "
+                        f"dlspark.Network.load(url), which passes it (got {type(from_definition).__name__})")
     raw = _read(url, storage_options)
     z, _ = _open(url, raw)
     if "definition.pkl" not in z.namelist():
