@@ -88,6 +88,9 @@ def test_the_dry_run_runs_every_section_but_the_gpu_readings(report):
         assert network["result"]["skipped"].startswith(NETWORK_SKIPS)
     else:
         assert network["status"] == "ok" and _problems(network["result"]) == []
+        (row,) = network["result"]["rows"]
+        assert row["workers"] == 2 and row["contender"] == "averaging5" and row["over_plain"]["median"] > 0
+        assert row["wire_tx_per_worker_per_fit"] > 0  # read from the namespaces' interface counters
 
 
 def test_every_measured_segment_counts_rounds_in_the_full_and_the_dry_run():

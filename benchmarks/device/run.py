@@ -36,7 +36,8 @@ SCHEMA = 1
 ORDER = ("gpu_cluster", "gpu_parallel", "many_core", "network")
 
 #: the full run on a GPU host with 16 cores: sizes and seconds per section (about 8.5 minutes
-#: together, with the install), the GPU first since the host may go away
+#: together, with the install), the GPU first since the host may go away; ``--only many_core``
+#: or ``--only network`` gives one section a whole run's time
 FULL = {
     # a GPU step of the MLP takes well under a millisecond: many rounds cost little, and each
     # (minibatch, rounds) keeps a segment's data near 100 MB
@@ -45,10 +46,11 @@ FULL = {
                     "memory_settings": ["preallocate_off", "fraction_30_preallocated", "fraction_30"],
                     "memory_rounds": 10},
     "gpu_parallel": {"budget_s": 50, "gpu_batches": [160, 2048], "wrapper_rounds": 20, "measure_s": 12},
-    "many_core": {"budget_s": 240, "workers": [2, 4, 8], "runs": 3,
+    "many_core": {"budget_s": 220, "workers": [2, 4, 8], "runs": 3,
                   "pairs": [["averaging", "mlp"], ["averaging", "cnn"], ["sharing", "mlp"], ["sharing", "cnn"]],
                   "batches": {}, "n_rounds": 60, "segments": 3, "measure_s": 15},
-    "network": {"budget_s": 40, "workers": [4, 8], "links": ["unlimited"]},
+    "network": {"budget_s": 60, "workers": [4, 8], "contenders": ["sharing", "averaging5", "ddp", "averaging50-outer"],
+                "examples": 16000, "epochs": 2, "runs": 1, "contender_s": 20},
 }
 #: the dry run: the same code on CPU devices, smallest sizes, each loop's body once or twice;
 #: the budgets are ceilings, not the expected times (``--budget-scale`` widens them further)
@@ -59,7 +61,8 @@ DRY = {
     "gpu_parallel": {"budget_s": 150, "gpu_batches": [16], "wrapper_rounds": 4, "measure_s": 0},
     "many_core": {"budget_s": 300, "workers": [2], "runs": 1, "pairs": [["averaging", "mlp"], ["sharing", "cnn"]],
                   "batches": {"mlp": 16, "cnn": 2}, "n_rounds": 24, "segments": 2, "measure_s": 0},
-    "network": {"budget_s": 30, "workers": [2], "links": ["unlimited"]},
+    "network": {"budget_s": 240, "workers": [2], "contenders": ["averaging5"], "examples": 1024, "epochs": 1,
+                "runs": 1, "contender_s": 0},
 }
 #: the sections' budgets together in a full run; sections run alone (``--only``) share as much
 FULL_BUDGET_S = sum(c["budget_s"] for c in FULL.values())

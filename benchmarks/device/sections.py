@@ -380,6 +380,27 @@ def namespace_probe() -> dict:
     return out
 
 
+def _network_rows(cfg: dict, rec: Recorder, workers: int, singles: dict) -> list:
+    """``bench_network.measure`` for each contender on ``workers`` emulated hosts."""
+    import bench_network
+    from distributed import Client
+
+    from dlspark.testing import emulated_cluster
+
+    rows = []
+    with emulated_cluster(workers) as net, Client(net.scheduler_address, set_as_default=False) as client:
+        for contender in cfg["contenders"]:
+            framework = "torch" if contender.startswith("ddp") else "jax"
+            if singles.get(framework) is None:
+                row = {"skipped": f"{framework} is not installed here"}
+            else:
+                row = rec.part(bench_network.measure, net, client, contender, "unlimited", cfg["examples"],
+                               cfg["epochs"], cfg["runs"], singles[framework], need_s=cfg["contender_s"])
+            rows.append({"workers": workers, "contender": contender, **row})
+            rec.put("rows", [*rec.data.get("rows", []), rows[-1]])
+    return rows
+
+
 def network(cfg: dict, rec: Recorder) -> None:
     probe = namespace_probe()
     rec.put("namespaces", probe)
@@ -389,7 +410,28 @@ def network(cfg: dict, rec: Recorder) -> None:
     if not probe["ok"]:
         rec.put("skipped", f"network namespaces do not work here: {probe['reason']}")
         return
-    rec.put("skipped", "bench_network.py exists but this run does not call it yet")
+    import bench_network
+
+    from dlspark.testing import netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        rec.put("skipped", f"network namespaces do not work here: {why}")
+        return
+    singles = {"jax": bench_network.run_plain(cfg["examples"], cfg["epochs"]),
+               "torch": None}
+    if importlib.util.find_spec("torch") is not None and any(c.startswith("ddp") for c in cfg["contenders"]):
+        singles["torch"] = bench_network.torch_single(cfg["examples"], cfg["epochs"], cfg["runs"])
+    rec.put("single_process_examples_per_s", singles)
+    for workers in cfg["workers"]:
+        if rec.left() < cfg["contender_s"]:
+            rec.put("rows", [*rec.data.get("rows", []), {"workers": workers, "skipped": "time budget"}])
+            continue
+        try:
+            _network_rows(cfg, rec, workers, singles)
+        except Exception as e:  # the emulated cluster itself failed: recorded, the next size still runs
+            rec.put("rows", [*rec.data.get("rows", []), {"workers": workers, "error": f"{type(e).__name__}: {e}",
+                                                         "traceback": traceback.format_exc()[-3000:]}])
 
 
 SECTIONS = {"gpu_cluster": gpu_cluster, "gpu_parallel": gpu_parallel, "many_core": many_core, "network": network}
