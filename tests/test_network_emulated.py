@@ -9,6 +9,7 @@ skip, saying so; with ``DLSPARK_REQUIRE_NETNS=1`` (CI) they fail instead.
 
 import os
 import pathlib
+import subprocess
 import threading
 import time
 
@@ -110,9 +111,16 @@ def test_teardown_leaves_nothing_also_when_the_body_raises():
     if reason:
         _unavailable(reason)
     with pytest.raises(RuntimeError, match="in the body"):
-        with emulated_cluster(1, rate="100mbit") as net:
+        with emulated_cluster(1, rate="100mbit", client_rate="1gbit") as net:
             token = net.token
             assert net.worker_pids()["w0"], "no worker process in the namespace"
+            # every link shaped both ways: the worker's at its rate, the client's at its own
+            shaped = {dev: subprocess.run(["tc", "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+                      for dev in (net.hosts[0].link, net.client_link, net.client_port)}
+            inside = subprocess.run(["ip", "netns", "exec", net.hosts[0].namespace, "tc", "qdisc", "show", "dev",
+                                     "eth0"], capture_output=True, text=True).stdout
+            assert "tbf" in inside and "100Mbit" in inside and "100Mbit" in shaped[net.hosts[0].link], shaped
+            assert all("1Gbit" in shaped[d] for d in (net.client_link, net.client_port)), shaped
             assert leftovers(token)["links"] and leftovers(token)["namespaces"]
             raise RuntimeError("in the body")
     assert leftovers(token) == {"namespaces": [], "links": [], "processes": []}
