@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["require", "flat", "unflat", "NnxAdapter", "EquinoxAdapter"]
+__all__ = ["require", "flat", "unflat", "owned", "Bound", "NnxAdapter", "EquinoxAdapter"]
 
 #: the optional extra that installs each model library
 EXTRA = "models"
@@ -46,6 +46,12 @@ def flat(tree) -> dict:
     return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def owned(d: dict) -> dict:
+    """Copies of the arrays of ``d``: the training steps donate the state's buffers, which must not
+    be the module's own (the adapter keeps the module, and pickles it)."""
+    return {k: jnp.array(v, copy=True) for k, v in d.items()}
+
+
 class _Template:
     """The paths and structure of a pytree, to rebuild it from :func:`flat`'s dict."""
 
@@ -58,6 +64,25 @@ class _Template:
 def unflat(template: _Template, d: dict):
     """The pytree of ``template``'s structure with the leaves of the flat dict ``d``."""
     return jax.tree_util.tree_unflatten(template.treedef, [d[p] for p in template.paths])
+
+
+class Bound:
+    """``adapter.<method>`` as a picklable callable that shows the user's module as ``module``
+    (a checkpoint stores the classes of the user's own modules by value, found through it)."""
+
+    def __init__(self, adapter, method: str):
+        self.adapter, self.method = adapter, method
+
+    @property
+    def module(self):
+        a = self.adapter
+        for name in ("module", "factory", "model"):
+            if getattr(a, name, None) is not None:
+                return getattr(a, name)
+        return None
+
+    def __call__(self, *args, **kwargs):
+        return getattr(self.adapter, self.method)(*args, **kwargs)
 
 
 def _call_params(fn):
@@ -134,7 +159,7 @@ class NnxAdapter:
         from flax import nnx
 
         _, params, _, rest = nnx.split(self._build(rng), nnx.Param, nnx.RngState, ...)
-        return {"params": flat(params), "nnx": flat(rest)}
+        return {"params": owned(flat(params)), "nnx": owned(flat(rest))}
 
     def apply(self, variables, x, train, rng, **kw):
         from flax import nnx
@@ -185,9 +210,9 @@ class EquinoxAdapter:
     def init(self, rng, x):
         import equinox as eqx
 
-        variables = {"params": flat(eqx.filter(self.module, eqx.is_inexact_array))}
+        variables = {"params": owned(flat(eqx.filter(self.module, eqx.is_inexact_array)))}
         if self.state is not None:
-            variables["eqx_state"] = flat(self.state)
+            variables["eqx_state"] = owned(flat(self.state))
         return variables
 
     def apply(self, variables, x, train, rng, **kw):

@@ -121,11 +121,11 @@ class Model:
         >>> import numpy as np
         >>> m = Model.from_nnx(lambda rngs: nnx.Linear(4, 3, rngs=rngs), np.zeros((1, 4), np.float32))
         """
-        from ._model_adapters import NnxAdapter
+        from ._model_adapters import Bound, NnxAdapter
 
         adapter = NnxAdapter(module_or_factory)
         adapter._defs()  # the factory's errors here, not in the first step
-        return cls(adapter.init, adapter.apply, example_input, uses_features_mask=adapter.has_mask,
+        return cls(Bound(adapter, "init"), Bound(adapter, "apply"), example_input, uses_features_mask=adapter.has_mask,
                    name=type(adapter.module).__name__ if adapter.module is not None
                    else getattr(module_or_factory, "__name__", "nnx"))
 
@@ -158,10 +158,10 @@ class Model:
         >>> import equinox as eqx, jax, numpy as np
         >>> m = Model.from_equinox(eqx.nn.Linear(4, 3, key=jax.random.PRNGKey(0)), np.zeros((1, 4), np.float32))
         """
-        from ._model_adapters import EquinoxAdapter
+        from ._model_adapters import Bound, EquinoxAdapter
 
         adapter = EquinoxAdapter(module, state=state, batched=batched)
-        return cls(adapter.init, adapter.apply, example_input, uses_features_mask=adapter.has_mask,
+        return cls(Bound(adapter, "init"), Bound(adapter, "apply"), example_input, uses_features_mask=adapter.has_mask,
                    name=type(module).__name__)
 
     @classmethod
@@ -191,12 +191,13 @@ class Model:
         >>> import keras  # doctest: +SKIP
         >>> m = Model.from_keras(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))  # doctest: +SKIP
         """
+        from ._model_adapters import Bound
         from ._model_keras import KerasAdapter
 
         adapter = KerasAdapter(model)
         if example_input is None:
             example_input = adapter.example_input()
-        return cls(adapter.init, adapter.apply, example_input, name=getattr(model, "name", None) or "keras")
+        return cls(Bound(adapter, "init"), Bound(adapter, "apply"), example_input, name=getattr(model, "name", None) or "keras")
 
     # The methods below are what Network uses; they normalise the user's
     # functions to (params, state) and (outputs, new_state).
