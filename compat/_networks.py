@@ -340,7 +340,7 @@ class _SparkNetwork:
     def setListeners(self, *listeners) -> None:
         """DL4J's ``setListeners(listener, ...)``, ``setListeners([listeners])`` and
         ``setListeners(statsStorage, [listeners])``: listeners called on the driver as each
-        round of a fit completes (see :mod:`dlspark.compat._listeners`); replaces earlier ones."""
+        round of a fit completes (see ``dlspark.compat._listeners``); replaces earlier ones."""
         _, self._listeners = parse_listeners(listeners)
 
     def getListeners(self) -> list:

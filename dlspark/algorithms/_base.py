@@ -84,7 +84,7 @@ class RoundDriver:
 
     def round_stats(self) -> RoundFigures:
         """The algorithm's figures for the round just completed (its typed part of the round's
-        :class:`~dlspark.stats._record.RoundStats`)."""
+        ``RoundStats`` record)."""
         return RoundFigures()
 
     def result_state(self, workers: list) -> dict:
@@ -174,7 +174,7 @@ class Algorithm(abc.ABC):
     def create_device_run(self, runtime):
         """The algorithm run over the devices of one process (:class:`~dlspark.ParallelWrapper`).
 
-        ``runtime`` is the wrapper's :class:`~dlspark._mesh.DeviceRuntime`: its devices,
+        ``runtime`` is the wrapper's ``DeviceRuntime``: its devices,
         mesh and exchange, its data, its reporter and its checkpoints. The object
         returned has ``fit(refs, partitions, epochs, resumed) -> (stats, result)``.
         """

@@ -24,7 +24,7 @@ class Evaluation(BaseEvaluation):
     num_classes : int, optional
         Fixed on the first ``update`` when not given.
     labels : list of str, optional
-        Class names for :meth:`stats`.
+        Class names for :meth:`~dlspark.evaluation.Evaluation.stats`.
     top_n : int
         Also count top-N accuracy.
     binary_threshold : float, optional

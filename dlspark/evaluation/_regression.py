@@ -108,7 +108,7 @@ class EvaluationCalibration(BaseEvaluation):
 
     Per class: a reliability diagram (mean predicted probability and observed
     frequency in ``reliability_bins`` bins over [0, 1]), a histogram of the
-    residuals |label - probability|, and a histogram of the probabilities.
+    residuals ``|label - probability|``, and a histogram of the probabilities.
     """
 
     _config = ("reliability_bins", "histogram_bins")
@@ -163,7 +163,7 @@ class EvaluationCalibration(BaseEvaluation):
         return self.bin_prob_sum[cls][keep] / n[keep], self.bin_pos[cls][keep] / n[keep]
 
     def residual_plot(self, cls):
-        """Counts of |label - probability| in ``histogram_bins`` bins over [0, 1]."""
+        """Counts of ``|label - probability|`` in ``histogram_bins`` bins over [0, 1]."""
         return self.residual_hist[cls].copy()
 
     def probability_histogram(self, cls):

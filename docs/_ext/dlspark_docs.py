@@ -36,6 +36,7 @@ PUBLIC_MODULES = [
     "dlspark.io",
     "dlspark.errors",
     "dlspark.config",
+    "dlspark.algorithms",
     "dlspark.compat",
     "dlspark.testing",
 ]
@@ -48,7 +49,6 @@ IMPLEMENTATION_MODULES = [
     "dlspark.checkpoint",
     "dlspark.trainer",
     "dlspark.parallel",
-    "dlspark.algorithms",
     "dlspark.distributed",
     "dlspark.cli",  # documented from its click parser on the command's page
     "dlspark.spark",  # the pyspark bridge, reached through DistributedTrainer.fit(rdd) and dlspark.compat
@@ -65,6 +65,7 @@ _SUMMARY = {
     "dlspark.io": "Reading and writing at any fsspec URL, atomically.",
     "dlspark.errors": "The exceptions users catch.",
     "dlspark.config": "dlspark's settings in ``dask.config``.",
+    "dlspark.algorithms": "The algorithms, their protocols, and what a new algorithm implements.",
     "dlspark.compat": "DL4J-on-Spark names over dlspark, taking pyspark RDDs.",
     "dlspark.testing": "Helpers for testing code that uses dlspark.",
 }

@@ -38,19 +38,19 @@ class GradientSharing(Algorithm):
         As in :class:`ParameterAveraging`.
     threshold_algorithm : ThresholdAlgorithm
         AdaptiveThreshold, TargetSparsityThreshold, FixedThreshold, or any object
-        with the :class:`ThresholdAlgorithm` protocol's methods.
+        with the :class:`~dlspark.algorithms.ThresholdAlgorithm` protocol's methods.
         How each worker's threshold moves (default: adaptive, sparsity in [1e-4, 1e-2], the
         first 20 thresholds taken from each worker's residual so that they send 1e-3 of
         its elements; DL4J starts from a fixed 1e-3, ``AdaptiveThreshold(initial=1e-3)``).
     residual_post_processor : ResidualPostProcessor
         ResidualClipping, NoResidualPostProcessing, or any object with the
-        :class:`ResidualPostProcessor` protocol's ``update``.
+        :class:`~dlspark.algorithms.ResidualPostProcessor` protocol's ``update``.
         Default: clip the residual to ±5 thresholds every 5 iterations.
     workers_per_node : int, optional
         Accepted for DL4J compatibility; dlspark runs one worker per device.
     encoding_debug : bool
         Record per step and worker: threshold, sparsity, format, message bytes,
-        residual norm, mean |update| / threshold.
+        residual norm, mean ``|update|`` / threshold.
     mesh : {"plain", "tree"}
         ``plain``: every worker sends to every peer. ``tree``: the coordinator
         arranges each round's workers in a tree of fan-out ``tree_fanout``;

@@ -275,7 +275,7 @@ class ResidualClipping:
         return residual
 
     def update_on_device(self, residual, threshold: float, iteration: int):
-        """:meth:`update` on a device vector (the same bits: one clip of float32 values)."""
+        """``update`` on a device vector (the same bits: one clip of float32 values)."""
         if iteration % self.frequency == 0:
             return _clip(residual, np.float32(self.threshold_multiple * threshold))
         return residual
