@@ -34,6 +34,11 @@ BATCH = {"mlp": 160, "cnn": 16}
 FREQ = 5
 
 
+def _longest(wait):
+    """A round's wait for data: per replica in the round record (the longest counts), a float before."""
+    return max(wait.values(), default=0.0) if isinstance(wait, dict) else wait
+
+
 def run_wrapper(kind, batch, freq, n_rounds, devices, fused=True, algorithm="averaging"):
     """Runs in the wrapper's own process: a warm-up fit (compilation), then the timed fit. With
     gradient sharing a round is ``freq`` steps per device (``steps_per_round``)."""
@@ -54,7 +59,7 @@ def run_wrapper(kind, batch, freq, n_rounds, devices, fused=True, algorithm="ave
     steps = sum(s["minibatches"] for s in stats) / devices
     wall = sum(s["round_time"] for s in stats)
     return {"steps_per_s": steps / wall, "whole_fit_steps_per_s": n_rounds * freq / whole,
-            "data_wait_share": sum(s.get("data_wait", 0.0) for s in stats) / wall, "params": net.num_params,
+            "data_wait_share": sum(_longest(s.get("data_wait", 0.0)) for s in stats) / wall, "params": net.num_params,
             "cpu_ms_per_step": 1000 * cpu / (n_rounds * freq * devices),
             "device": str(wrapper.devices[0].platform)}
 

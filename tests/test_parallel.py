@@ -396,12 +396,18 @@ def test_same_job_as_a_two_worker_cluster_ends_at_the_same_parameters(client2, m
     data = tr[:530]  # 17 minibatches (the last short): 2 rounds of 2 x 3, then 3 + 2
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, training_approach="direct")
     cluster = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
-    DistributedTrainer(client2, cluster, master, progress=False).fit(data)
+    trainer = DistributedTrainer(client2, cluster, master, progress=False)
+    trainer.fit(data)
+    cluster_stats = trainer.last_fit_stats
     here = make_net(MLP(dropout=0.3), updater=optax.adam(1e-2))
-    ParallelWrapper(here, master, CPU2, progress=False).fit(data)
+    wrapper = ParallelWrapper(here, master, CPU2, progress=False)
+    wrapper.fit(data)
     _close(here.state.params, cluster.state.params, rtol=1e-4, atol=1e-6)
     _close(here.state.opt_state, cluster.state.opt_state, rtol=1e-4, atol=1e-6)
     assert (here.iteration, here.epoch) == (cluster.iteration, cluster.epoch)
+    # the same round records: one set of keys, the same rounds
+    assert [set(s) for s in wrapper.last_fit_stats] == [set(s) for s in cluster_stats]
+    assert [s["trained_total"] for s in wrapper.last_fit_stats] == [s["trained_total"] for s in cluster_stats]
 
 
 @pytest.mark.slow
