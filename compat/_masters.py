@@ -98,8 +98,9 @@ class TrainingMaster:
         self.storage_level_streams = self.settings.get("storageLevelStreams")
         n = self.settings.get("workersPerNode", -1)
         self.workers_per_node = None if n is None or n < 1 else n
-        self.periodic_gc_ms = (self.settings.get("workerPeriodicGCFrequency")
-                               if self.settings.get("workerTogglePeriodicGC") else None)
+        # on when asked for: the toggle set True, or a period set without the toggle set False
+        toggle, period = self.settings.get("workerTogglePeriodicGC"), self.settings.get("workerPeriodicGCFrequency")
+        self.periodic_gc_ms = (period or 5000) if toggle or (toggle is None and period) else None
         self._export_dirs: list = []
         # local temporary exports go with the master (or the process) if deleteTempFiles was not called
         self._local_dirs: list = []
@@ -325,7 +326,7 @@ class _SharedBuilder(_MasterBuilder):
     post-processor ``ResidualClippingPostProcessor(5, 5)``, ``workersPerNode``
     -1 (one worker per device), ``workerPrefetchNumBatches`` 2, Export,
     ``repartitionData`` Always, ``repartitionStrategy`` Balanced,
-    ``workerTogglePeriodicGC`` True every 5000 ms,
+    ``workerTogglePeriodicGC`` off unless asked for (DL4J: on, every 5000 ms),
     ``encodingDebugMode`` False. ``batchSizePerWorker``: DL4J leaves it unset,
     training on the RDD's DataSets as they come, so it defaults to
     ``rddDataSetNumExamples`` (16 when that is not given either).
@@ -354,8 +355,8 @@ class _SharedBuilder(_MasterBuilder):
                         "residualPostProcessor": ResidualClippingPostProcessor(5.0, 5), "workersPerNode": -1,
                         "workerPrefetchNumBatches": 2, "rddTrainingApproach": RDDTrainingApproach.Export,
                         "repartitionData": Repartition.Always, "repartitionStrategy": RepartitionStrategy.Balanced,
-                        "storageLevel": "MEMORY_ONLY_SER", "workerTogglePeriodicGC": True,
-                        "workerPeriodicGCFrequency": 5000, "encodingDebugMode": False,
+                        "storageLevel": "MEMORY_ONLY_SER", "workerTogglePeriodicGC": None,
+                        "workerPeriodicGCFrequency": None, "encodingDebugMode": False,
                         "collectTrainingStats": False, "rngSeed": None, "meshBuildMode": None}
 
     def workersPerNode(self, n: int):
@@ -396,12 +397,15 @@ class _SharedBuilder(_MasterBuilder):
 
     def workerTogglePeriodicGC(self, enabled: bool):
         """Run a full collection of Python's garbage collector (``gc.collect()``) on every Dask
-        worker every ``workerPeriodicGCFrequency`` ms while this master trains, as DL4J runs the
-        JVM's (default True); False leaves the collector to itself."""
+        worker every ``workerPeriodicGCFrequency`` ms (default 5000), as DL4J runs the JVM's;
+        False leaves the collector to itself. Unlike DL4J (on unless turned off), it is off
+        unless this or ``workerPeriodicGCFrequency`` is called: Python collects on its own,
+        and a full collection stalls the worker (most during compilation)."""
         return self._set("workerTogglePeriodicGC", _bool("workerTogglePeriodicGC", enabled))
 
     def workerPeriodicGCFrequency(self, ms: int):
-        """The period of the workers' garbage collection, in milliseconds (default 5000)."""
+        """The period of the workers' garbage collection, in milliseconds (default 5000); setting
+        it turns the collection on unless ``workerTogglePeriodicGC(False)`` says otherwise."""
         return self._set("workerPeriodicGCFrequency", _int("workerPeriodicGCFrequency", ms))
 
     def build(self) -> "SharedTrainingMaster":

@@ -289,3 +289,63 @@ def test_executors_that_cannot_import_dlspark_fail_at_the_first_call(tmp_path):
     assert run.returncode != 0
     assert run.stderr.rstrip().splitlines()[-1].startswith("dlspark.errors.ExecutorEnvironmentError: ")
     assert "Py4JJavaError" not in run.stderr
+
+
+def test_dealt_order_is_seeded_per_epoch():
+    from dlspark.compat._runtime import dealt
+
+    refs = [f"f{i}.npz" for i in range(50)]
+    assert dealt(refs, None, 3) == refs
+    assert dealt(refs, 7, 0) == dealt(refs, 7, 0) and sorted(dealt(refs, 7, 0)) == sorted(refs)
+    assert dealt(refs, 7, 0) != dealt(refs, 7, 1) and dealt(refs, 7, 0) != dealt(refs, 8, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # four fits and a refused one; compilation under load takes minutes
+def test_master_settings_do_what_they_say(sc, cluster, tmp_path):
+    from conftest import tree_equal
+
+    from dlspark.compat import (BatchAndExportDataSetsFunction, ParameterAveragingTrainingMaster,
+                                SharedTrainingMaster, SparkDl4jMultiLayer, SparkUtils, TrainingListener)
+    from dlspark.compat._runtime import GC_PLUGIN
+
+    out = str(tmp_path / "batches")
+    digits_rdd(sc).mapPartitionsWithIndex(BatchAndExportDataSetsFunction(32, out)).count()
+
+    def fitted(seed):
+        builder = ParameterAveragingTrainingMaster.Builder(32).batchSizePerWorker(32).averagingFrequency(2)
+        tm = (builder if seed is None else builder.rngSeed(seed)).build()
+        spark_net = SparkDl4jMultiLayer(sc, new_net(), tm)
+        paths = SparkUtils.listPaths(sc, out)
+        spark_net.fitPaths(paths)
+        assert paths.is_cached and str(paths.getStorageLevel()) == "Memory Serialized 1x Replicated"  # storageLevelStreams
+        return spark_net.getNetwork().state.params
+
+    # rngSeed seeds the deal of minibatches to workers: the same seed trains alike, another differently
+    one, again, other = fitted(1), fitted(1), fitted(2)
+    assert tree_equal(one, again) and not tree_equal(one, other)
+
+    class Workers(TrainingListener):
+        seen = []
+
+        def iterationDone(self, model, iteration, epoch):
+            self.seen.append(model.record["workers"])
+
+        def onEpochEnd(self, model):
+            pass
+
+    # workersPerNode(1): one worker of the (one-machine, two-worker) cluster trains
+    tm = (SharedTrainingMaster.Builder(32).batchSizePerWorker(32).workersPerNode(1)
+          .workerPeriodicGCFrequency(1000).build())
+    spark_net = SparkDl4jMultiLayer(sc, new_net(), tm)
+    spark_net.setListeners(Workers())
+    spark_net.fitPaths(SparkUtils.listPaths(sc, out))
+    assert Workers.seen and set(Workers.seen) == {1}
+    # workerPeriodicGCFrequency(1000) turned the periodic collection on: gc.collect ran on every worker
+    runs = cluster.run(lambda dask_worker: dask_worker.plugins[GC_PLUGIN].collections)
+    assert len(runs) == 2 and all(n > 0 for n in runs.values()), runs
+    too_many = SharedTrainingMaster.Builder(32).workersPerNode(3).workerTogglePeriodicGC(False).build()
+    with pytest.raises(ValueError, match=r"workersPerNode\(3\) trains on 3 workers of each machine, but the Dask "
+                                         r"cluster runs fewer on .* \(2\)"):
+        SparkDl4jMultiLayer(sc, new_net(), too_many).fitPaths(SparkUtils.listPaths(sc, out))
+    assert not any(cluster.run(lambda dask_worker: GC_PLUGIN in dask_worker.plugins).values())
