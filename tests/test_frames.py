@@ -90,6 +90,7 @@ def test_a_local_fit_from_a_frame_one_partition_at_a_time(digits, make_net):
 
 # -- on the shared two-worker cluster -------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a fit, an evaluation and inference on two workers
 def test_fit_evaluate_and_keyed_inference_from_a_dask_frame(client2, make_net, digits):
     tr, te = digits
     net = make_net(MLP(hidden=128), updater=optax.adam(1e-2))
@@ -112,6 +113,7 @@ def test_fit_evaluate_and_keyed_inference_from_a_dask_frame(client2, make_net, d
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a fit, an evaluation and inference on two workers
 def test_parquet_on_s3_trains_and_evaluates_from_the_workers(client2, make_net, digits):
     from moto.server import ThreadedMotoServer
 

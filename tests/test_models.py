@@ -230,6 +230,7 @@ def _reaches(trainer, net, te, target, epochs, tr):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # up to 8 epochs on two workers after a single-process fit
 @pytest.mark.parametrize("algorithm", ["averaging", "sharing"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_two_workers_reach_the_single_process_accuracy(client2, kind, algorithm, digits):
