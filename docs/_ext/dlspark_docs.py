@@ -203,17 +203,18 @@ def config_keys(path=None):
 
 
 def config_table(path=None) -> str:
-    """The configuration reference as a MyST markdown table, grouped by section."""
-    keys = config_keys(path)
+    """The configuration reference as MyST markdown: one definition per key, grouped by section."""
     out = []
     section = None
-    for key, default, meaning in keys:
+    for key, default, meaning in config_keys(path):
         sec = ".".join(key.split(".")[:2])
         if sec != section:
             section = sec
-            out += ["", f"## `{sec}`", "", "| key | default | meaning |", "|---|---|---|"]
+            out += ["", f"## `{sec}`", ""]
         env = "DASK_" + "__".join(p.upper().replace("-", "_") for p in key.split("."))
-        out.append(f"| `{key}` | `{default}` | {_cell(meaning)} <br>environment: `{env}` |")
+        text = meaning[:1].upper() + meaning[1:]
+        text = text if text.endswith(".") else text + "."
+        out += [f"`{key}` (default `{default}`)", f": {text}", "", f"  Environment variable: `{env}`", ""]
     return "\n".join(out).lstrip() + "\n"
 
 
