@@ -72,7 +72,13 @@ def net(cluster):
     for h in net.hosts:
         net.heal(h)
     net.isolate(0, 1, on=False)
-    wait_for_workers(net, 2, timeout=90)
+    try:
+        wait_for_workers(net, 2, timeout=30)
+    except TimeoutError:  # a worker Dask dropped shut itself down: restart it, as an operator would
+        names = {w["name"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        for h in net.hosts:
+            if h.name not in names:
+                net.restart_worker(h, timeout=90)
     client.wait_for_workers(2, timeout=30)
     return net, client
 

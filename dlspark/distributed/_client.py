@@ -213,12 +213,12 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             result = checked(client.sync(client.scheduler.dlspark_start, wait=True, **run))["result"]
         step, epoch = base_step + result.trained, base_epoch + epochs
         with st.span("fetch_state"):
-            source, final = client.sync(fetch_state_from_any, client, list(result.workers), job, step, epoch)
+            source, final, divergence = client.sync(_final_state, client, list(result.workers), job, step, epoch,
+                                                    master.compare_replicas())
         net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
-        if master.compare_replicas():
-            others = [w for w in result.workers if w != source]
-            trainer.published["replica_divergence"] = _divergence(client, job, source, others)
+        if divergence is not None:
+            trainer.published["replica_divergence"] = divergence
         for s in result.stats:
             trainer.loss_history.append((s["round"], base_epoch + s["epoch"], s["loss"]))
         if master.collect_training_stats:
@@ -256,18 +256,28 @@ def _scheduler_lost(client, within: float = 2.0) -> bool:
 
 
 async def _replica_differences(client, job, source, others):
+    """``source``'s largest parameter difference from each of ``others``: ``source`` fetches their
+    parameters (not their whole state) and reduces each difference itself; one number per
+    other replica comes back, no state. A replica lost since the job ended gives None."""
     async def one(w):
         try:
-            return checked(await client.rpc(w).dlspark_divergence(job=job, source=source))["reply"]
+            return checked(await client.rpc(source).dlspark_divergence(job=job, source=w))["reply"]
         except Exception:  # lost since the job ended: it has nothing left to compare
             return None
 
     return await asyncio.gather(*[one(w) for w in others])
 
 
-def _divergence(client, job, source, others) -> float:
-    """Largest absolute difference between the parameters of ``source`` (the replica the client
-    took) and the other replicas'. Each other worker fetches ``source``'s state over Dask's comms
-    and reduces the difference itself: one number per worker comes back, no state."""
-    found = [d for d in client.sync(_replica_differences, client, job, source, others) if d is not None]
-    return max(found, default=0.0)
+async def _final_state(client, workers, job, step, epoch, compare: bool):
+    """``(source, its state, replica divergence or None)``. The comparison runs while the state
+    comes to the client, on the other link direction: ``workers[0]``, the replica the client
+    takes, receives its peers' parameters while it sends its state."""
+    if not compare or len(workers) < 2:
+        source, final = await fetch_state_from_any(client, workers, job, step, epoch)
+        return source, final, (0.0 if compare else None)
+    taken, found = await asyncio.gather(fetch_state_from_any(client, workers, job, step, epoch),
+                                        _replica_differences(client, job, workers[0], workers[1:]))
+    source, final = taken
+    if source != workers[0]:  # the first was lost meanwhile: compare against the one taken
+        found = await _replica_differences(client, job, source, [w for w in workers if w != source])
+    return source, final, max((d for d in found if d is not None), default=0.0)

@@ -54,6 +54,19 @@ def max_param_difference(state, other: dict) -> float:
     return worst
 
 
+def max_leaf_difference(state, leaves) -> float:
+    """``max |a - b|`` over the parameter leaves of ``state`` and ``leaves`` (host arrays, in order)."""
+    import jax
+    import numpy as np
+
+    worst = 0.0
+    for a, b in zip(jax.tree_util.tree_leaves(state.params), leaves, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.size:
+            worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))))
+    return worst
+
+
 def _reporting(handler):
     """An error becomes the one envelope in the reply: the scheduler relays it to the client
     without unpickling user exception classes itself."""
@@ -156,18 +169,30 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             return {"reply": to_serialize(Unavailable(peer=self.worker.address))}
         return await run.peer(request, **kw)
 
-    async def _state(self, job: str, step: int | None = None, epoch: int | None = None):
-        out = await self._job(job).dump_state(step, epoch)
+    async def _state(self, job: str, step: int | None = None, epoch: int | None = None, params: bool = False):
+        """The job's train state and what its algorithm carries; with ``params``, only the
+        parameters' leaves (a third of the state under Adam: a peer comparing replicas needs no more)."""
+        run = self._job(job)
+        if params:
+            import jax
+            import numpy as np
+
+            leaves = await run.compute(lambda: [np.asarray(x) for x in jax.tree_util.tree_leaves(run.state.params)])
+            return {"params": to_serialize(leaves)}
+        out = await run.dump_state(step, epoch)
         return {"state": to_serialize(out["state"]), "carried": to_serialize(out["carried"])}
 
-    async def _divergence(self, job: str, source: str):
+    async def _divergence(self, job: str, source: str, whole_state: bool = False):
         """The largest absolute difference between this replica's parameters and ``source``'s,
-        whose state comes worker to worker: the client receives one number."""
+        whose parameters come worker to worker: the client receives one number. (``whole_state``:
+        fetch ``source``'s whole state, as before parameters alone could be asked for.)"""
         run = self._job(job)
-        resp = await call_peer(self.worker, source, "dlspark_state", job=job)
+        resp = await call_peer(self.worker, source, "dlspark_state", job=job, params=not whole_state)
         if "error" in resp:
             raise RuntimeError(f"could not get job {job!r}'s state from {source}: {resp['error'].text}")
-        return {"reply": await run.compute(max_param_difference, run.state, resp["state"])}
+        if whole_state:
+            return {"reply": await run.compute(max_param_difference, run.state, resp["state"])}
+        return {"reply": await run.compute(max_leaf_difference, run.state, resp["params"])}
 
     async def _clock(self):
         """This process's wall clock (the scheduler aligns event times with it)."""

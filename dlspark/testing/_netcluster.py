@@ -185,6 +185,7 @@ class Host:
     link: str  # the bridge's end of its veth pair (in the root namespace)
     core: int | None
     process: subprocess.Popen | None = None
+    command: list = field(default_factory=list)  # how its dask worker is started
     address: str | None = None  # its Dask worker's address, once it registered
 
 
@@ -214,6 +215,8 @@ class EmulatedCluster:
     scheduler_address: str | None = None
     workdir: str = ""
     _finalizer: object = None
+    _procs: list = field(default_factory=list)
+    _env: dict = field(default_factory=dict)
 
     # -- links ------------------------------------------------------------------------
     def _host(self, which) -> Host:
@@ -282,6 +285,28 @@ class EmulatedCluster:
         """``{host name: [pids in its namespace]}`` (the nanny and its worker process)."""
         return {h.name: [int(p) for p in _run("ip", "netns", "pids", h.namespace, check=False).stdout.split()]
                 for h in self.hosts}
+
+    def _spawn(self, h: Host):
+        log = open(os.path.join(self.workdir, f"{h.name}.log"), "a")
+        h.process = subprocess.Popen(h.command, env=self._env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=self.workdir)
+        self._procs.append(h.process)
+
+    def restart_worker(self, which, timeout: float = 120) -> str:
+        """Start a worker host's ``dask worker`` again (kill what runs in its namespace first),
+        as an operator restarts a machine's worker; returns its new address. A worker that
+        Dask dropped during a long cut shuts itself down when it hears back from the
+        scheduler, so it does not come back by itself."""
+        h = self._host(which)
+        for pid in self.worker_pids()[h.name]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if h.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                h.process.wait(10)
+        h.address = None
+        self._spawn(h)
+        return wait_for_workers(self, len(self.hosts), timeout)[h.name]
 
     def worker_addresses(self) -> dict:
         """``{host name: Dask worker address}`` of the workers registered now."""
@@ -389,16 +414,14 @@ def _start(n_workers, rate, client_rate, cores, extra_env, config, memory_limit,
                 break
             except (ValueError, KeyError):  # written as we read
                 time.sleep(0.1)
+        cl._procs, cl._env = procs, env
         for h in cl.hosts:
             pin = ["taskset", "-c", str(h.core)] if h.core is not None else []
-            wlog = open(os.path.join(workdir, f"{h.name}.log"), "w")
-            h.process = subprocess.Popen(
-                ["ip", "netns", "exec", h.namespace, *pin, sys.executable, "-m", "distributed.cli.dask_worker",
-                 cl.scheduler_address, "--name", h.name, "--host", h.ip, "--nthreads", "1", "--nworkers", "1",
-                 "--no-dashboard", "--memory-limit", str(memory_limit), "--nanny" if nanny else "--no-nanny",
-                 "--local-directory", os.path.join(workdir, h.name)],
-                env=env, stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir)
-            procs.append(h.process)
+            h.command = ["ip", "netns", "exec", h.namespace, *pin, sys.executable, "-m", "distributed.cli.dask_worker",
+                         cl.scheduler_address, "--name", h.name, "--host", h.ip, "--nthreads", "1", "--nworkers", "1",
+                         "--no-dashboard", "--memory-limit", str(memory_limit), "--nanny" if nanny else "--no-nanny",
+                         "--local-directory", os.path.join(workdir, h.name)]
+            cl._spawn(h)
         wait_for_workers(cl, n_workers, timeout)
     except BaseException:
         cl.close()
