@@ -308,9 +308,21 @@ def public_name(dotted):
         obj = _resolve(".".join(parts[:i]))
         if obj is None or isinstance(obj, (str, int, float, tuple, dict, list, frozenset)):
             continue
-        where = _canonical(obj)
+        where = _canonical(obj) or _nested(obj)
         if where is not None:
             return ".".join([*where] + parts[i:])
+    return None
+
+
+def _nested(obj):
+    """(module, "Class.attr") where a public class holds ``obj`` as an attribute (a builder class)."""
+    for mod in public_modules():
+        for name in getattr(mod, "__all__", ()):
+            owner = getattr(mod, name)
+            if inspect.isclass(owner):
+                for attr, value in vars(owner).items():
+                    if value is obj and not attr.startswith("_"):
+                        return mod.__name__, f"{name}.{attr}"
     return None
 
 
