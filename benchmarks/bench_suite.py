@@ -1,0 +1,490 @@
+"""The parity suite: accuracy at equal epochs on eight tasks of different kinds.
+
+Distributed training with each algorithm's defaults against a single process, on tasks
+that are small enough for one fit to take seconds on one core, with data generated here
+or shipped with scikit-learn (nothing downloads):
+
+=====================  =====================================================  ===========
+task                   data and model                                         held out
+=====================  =====================================================  ===========
+``cancer``             breast cancer (569 real tabular rows), MLP of 32       no
+``clusters``           Gaussian clusters, 20 features, 4 overlapping          no
+                       classes, MLP of 64
+``tokens-gru``         masked token sequences (5 to 24 tokens), the most      no
+                       frequent of three marked tokens (10% of
+                       labels random); embedding and GRU
+``friedman``           regression: Friedman #1 with noise, MLP of 64          no
+``digits-cnn``         8x8 digits (real images), a small CNN                  yes
+``tokens-attention``   masked token sequences: does the first token recur?    yes
+                       (10% of labels random); embedding, masked
+                       self-attention, masked mean pool
+``diabetes``           regression: the diabetes set (442 real rows), MLP      yes
+``imbalanced``         binary, 5% positives, a non-linear boundary, ROC AUC   yes
+=====================  =====================================================  ===========
+
+The *held-out* tasks are committed before any algorithm default was changed against
+this suite; no default may be tuned on them. They check the tuning half's conclusions.
+
+For every seed (0-9, fixed in ``SEEDS``) the single process and every distributed run
+start from the same parameters and see the same shuffled minibatches (paired seeds, the
+machinery of ``bench_parity``), with Adam and 16 examples per minibatch per worker. The
+references are the single process at 16 examples a step (``single``) and at the global
+minibatch of ``n`` workers (``single-global``).
+
+A *point* is test accuracy x 100 (classification), exact ROC AUC x 100 (the imbalanced
+task, ``sklearn.metrics.roc_auc_score``) or, for a regression, the relative change of the
+test MSE in percent, signed so that a positive difference is better than the reference:
+``100 * (mse_ref - mse) / mse_ref``. The rule: on every task, for both algorithms at 2
+and 4 workers, the mean paired difference from ``single`` is no worse than -1.0 point,
+and its average over the suite is no worse than -0.5.
+
+Run ``python benchmarks/bench_suite.py --out suite.json`` (every task, seeds 0-9, 2 and 4
+workers, both algorithms; ``--help`` for the options). Every result is written to the
+JSON file as it comes (atomically); a run given the same file skips what is in it, so a
+stopped run resumes. The file holds the raw results and the summary tables in the shape
+of ``docs/_data/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_parity import BATCH, _load, _save, make_master, shuffled  # noqa: E402
+
+#: the seeds of the suite: every run of every seed is reported, none is rerun
+SEEDS = tuple(range(10))
+#: algorithm -> options: the defaults as shipped (no option is set here)
+ALGORITHMS = {"averaging": {}, "sharing": {}}
+WORKERS = (2, 4)
+#: the rule (points): every task's mean paired difference, and their average over the suite
+RULE_EVERY, RULE_MEAN = -1.0, -0.5
+
+
+# -- models (defined in functions: cloudpickle sends them to the workers by value) -------------
+def _mlp(hidden, n_out):
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(n_out)(nn.relu(nn.Dense(hidden)(x)))
+
+    return MLP()
+
+
+def _cnn(n_out):
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = x.reshape(x.shape[0], 8, 8, 1)
+            x = nn.relu(nn.Conv(16, (3, 3))(x))
+            x = nn.max_pool(nn.relu(nn.Conv(32, (3, 3))(x)), (2, 2), (2, 2))
+            return nn.Dense(n_out)(nn.relu(nn.Dense(64)(x.reshape(x.shape[0], -1))))
+
+    return CNN()
+
+
+def _gru(vocab, hidden, n_out):
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class GRUClassifier(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask=None):
+            mask = jnp.ones(x.shape[:2]) if mask is None else mask  # init sees no mask
+            lengths = jnp.sum(mask, axis=1).astype(jnp.int32)
+            h = nn.Embed(vocab, 16)(x.astype(jnp.int32))
+            carry, _ = nn.RNN(nn.GRUCell(hidden), return_carry=True)(h, seq_lengths=lengths)
+            return nn.Dense(n_out)(carry)
+
+    return GRUClassifier()
+
+
+def _attention(vocab, t_max, dim, n_out):
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class AttentionClassifier(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask=None):
+            mask = jnp.ones(x.shape[:2]) if mask is None else mask  # init sees no mask
+            h = nn.Embed(vocab, dim)(x.astype(jnp.int32)) + nn.Embed(t_max, dim)(jnp.arange(x.shape[1]))[None]
+            pair = nn.make_attention_mask(mask > 0, mask > 0)
+            h = h + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=dim)(h, mask=pair)
+            h = h + nn.Dense(dim)(nn.relu(nn.Dense(2 * dim)(nn.LayerNorm()(h))))
+            pooled = jnp.sum(h * mask[:, :, None], axis=1) / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)
+            return nn.Dense(n_out)(pooled)
+
+    return AttentionClassifier()
+
+
+# -- data (deterministic: every call returns the same arrays) ----------------------------------
+def _split(x, y, seed, test_fraction=0.2):
+    import dlspark
+
+    rng = np.random.default_rng(seed)
+    idx = rng.permutation(len(x))
+    cut = round(len(x) * (1 - test_fraction))
+    tr, te = idx[:cut], idx[cut:]
+    mu, sd = x[tr].mean(axis=0), x[tr].std(axis=0) + 1e-6  # scaled by the training rows alone
+    x = ((x - mu) / sd).astype(np.float32)
+    return dlspark.DataSet(x[tr], y[tr]), dlspark.DataSet(x[te], y[te])
+
+
+def _one_hot(y, n):
+    return np.eye(n, dtype=np.float32)[y]
+
+
+def cancer_data():
+    from sklearn.datasets import load_breast_cancer
+
+    d = load_breast_cancer()
+    return _split(d.data, _one_hot(d.target, 2), seed=1)
+
+
+def clusters_data():
+    import dlspark
+
+    ds = dlspark.datasets.synthetic_classification(6000, n_features=20, n_classes=4, seed=21, noise=3.0)
+    return ds[:4800], ds[4800:]
+
+
+def friedman_data():
+    from sklearn.datasets import make_friedman1
+
+    x, y = make_friedman1(3000, n_features=10, noise=1.0, random_state=3)
+    y = (y - y.mean()) / y.std()
+    return _split(x, y[:, None].astype(np.float32), seed=3)
+
+
+def diabetes_data():
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)
+    y = (y - y.mean()) / y.std()
+    return _split(x, y[:, None].astype(np.float32), seed=4)
+
+
+def digits_data():
+    import dlspark
+
+    return dlspark.datasets.digits()
+
+
+def imbalanced_data(n=8000, seed=6):
+    import dlspark
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0.0, 1.0, (n, 16)).astype(np.float32)
+    score = x[:, 0] * x[:, 1] + np.sin(2 * x[:, 2]) + 0.5 * x[:, 3] ** 2 + rng.normal(0.0, 0.8, n)
+    y = (score > np.quantile(score, 0.95)).astype(np.int64)  # 5% positives
+    ds = dlspark.DataSet(x, _one_hot(y, 2))
+    return ds[: n * 4 // 5], ds[n * 4 // 5:]
+
+
+def _tokens(n, t_max, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, t_max + 1, n)
+    mask = (np.arange(t_max)[None, :] < lengths[:, None]).astype(np.float32)
+    tokens = rng.integers(1, 12, (n, t_max)) * mask.astype(np.int64)  # 0 pads
+    return tokens, mask
+
+
+def _random_labels(y, n_classes, seed, fraction=0.1):
+    """``y`` with a fraction of its labels drawn at random: a rule learnt exactly would leave
+    the task at its ceiling, where no run can fall behind another."""
+    rng = np.random.default_rng(seed + 100)
+    return np.where(rng.random(len(y)) < fraction, rng.integers(0, n_classes, len(y)), y)
+
+
+def tokens_gru_data(n=6000, t_max=24, seed=7):
+    import dlspark
+
+    tokens, mask = _tokens(n, t_max, seed)
+    counts = np.stack([(tokens == k).sum(axis=1) for k in (1, 2, 3)], axis=1)
+    y = counts.argmax(axis=1)  # ties go to the lowest token
+    y = _random_labels(y, 3, seed)
+    ds = dlspark.DataSet(tokens.astype(np.float32), _one_hot(y, 3), features_mask=mask)
+    return ds[: n * 4 // 5], ds[n * 4 // 5:]
+
+
+def tokens_attention_data(n=6000, t_max=24, seed=8):
+    import dlspark
+
+    tokens, mask = _tokens(n, t_max, seed)
+    recurs = ((tokens[:, 1:] == tokens[:, :1]) & (mask[:, 1:] > 0)).any(axis=1).astype(np.int64)
+    recurs = _random_labels(recurs, 2, seed)
+    ds = dlspark.DataSet(tokens.astype(np.float32), _one_hot(recurs, 2), features_mask=mask)
+    return ds[: n * 4 // 5], ds[n * 4 // 5:]
+
+
+# -- tasks ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Task:
+    """One task of the suite: ``data() -> (train, test)``, ``module()`` a flax module, the
+    epochs and Adam's learning rate, the loss, the metric (``accuracy``, ``auc`` or ``mse``)
+    and whether it is held out (no default may be tuned on it)."""
+
+    name: str
+    kind: str
+    data: object
+    module: object
+    epochs: int
+    learning_rate: float
+    metric: str = "accuracy"
+    loss: str = "softmax_cross_entropy"
+    held_out: bool = False
+
+
+_TASKS = [
+    Task("cancer", "tabular, real", cancer_data, lambda: _mlp(32, 2), 20, 1e-3),
+    Task("clusters", "tabular, synthetic", clusters_data, lambda: _mlp(64, 4), 5, 3e-3),
+    Task("tokens-gru", "text, masked; RNN", tokens_gru_data, lambda: _gru(12, 32, 3), 5, 3e-3),
+    Task("friedman", "regression, synthetic", friedman_data, lambda: _mlp(64, 1), 20, 3e-3, metric="mse", loss="mse"),
+    Task("digits-cnn", "image, CNN", digits_data, lambda: _cnn(10), 15, 1e-3, held_out=True),
+    Task("tokens-attention", "text, masked; attention", tokens_attention_data, lambda: _attention(12, 24, 32, 2),
+         10, 3e-3, held_out=True),
+    Task("diabetes", "regression, real", diabetes_data, lambda: _mlp(32, 1), 40, 1e-3, metric="mse", loss="mse",
+         held_out=True),
+    Task("imbalanced", "binary, 5% positives", imbalanced_data, lambda: _mlp(32, 2), 10, 3e-3, metric="auc",
+         held_out=True),
+]
+TASKS = {t.name: t for t in _TASKS}
+HELD_OUT = tuple(t.name for t in _TASKS if t.held_out)
+
+
+def make_network(task, train, seed):
+    import optax
+
+    import dlspark
+
+    model = dlspark.Model.from_flax(task.module(), train[:1].features)
+    return dlspark.Network(model, loss=task.loss, updater=optax.adam(task.learning_rate), seed=seed)
+
+
+def score(task, net, test):
+    """The task's figure on the test set: accuracy, exact ROC AUC or MSE."""
+    out = np.asarray(net.output(test.features, features_mask=test.features_mask), dtype=np.float64)
+    labels = np.asarray(test.labels)
+    if task.metric == "mse":
+        return float(np.mean((out - labels) ** 2))
+    if task.metric == "auc":
+        from sklearn.metrics import roc_auc_score
+
+        p = np.exp(out - out.max(axis=1, keepdims=True))  # positive-class probability from the logits
+        return float(roc_auc_score(labels.argmax(axis=1), p[:, 1] / p.sum(axis=1)))
+    return float((out.argmax(-1) == labels.argmax(-1)).mean())
+
+
+def points(task, value, reference):
+    """A run's difference from a reference in points (positive: better than the reference)."""
+    if task.metric == "mse":
+        return 100.0 * (reference - value) / reference
+    return 100.0 * (value - reference)
+
+
+# -- fits -----------------------------------------------------------------------------------------
+def single_fit(task, data, seed, batch=BATCH):
+    train, test = data
+    net = make_network(task, train, seed)
+    net.fit(shuffled(train, seed), epochs=task.epochs, batch_size=batch)
+    return {"value": score(task, net, test)}
+
+
+def distributed_fit(client, task, data, seed, algorithm):
+    import dlspark
+
+    train, test = data
+    net = make_network(task, train, seed)
+    master = make_master(algorithm, ALGORITHMS[algorithm])
+    with dlspark.DistributedTrainer(client, net, master, progress=False) as trainer:
+        trainer.fit(shuffled(train, seed), epochs=task.epochs)
+        out = {"value": score(task, trainer.network, test)}
+        comm = getattr(trainer, "communication", None)
+        if algorithm == "sharing" and comm and comm.get("dense_bytes"):
+            out.update(bytes_sent=int(comm["bytes_sent"]), dense_bytes=int(comm["dense_bytes"]))
+    return out
+
+
+# -- summary --------------------------------------------------------------------------------------
+def paired_points(results, task, run, workers, against):
+    """The paired differences (points) of a run from a reference ``(run, workers)``, by seed."""
+    t = TASKS[task]
+    ref = {r["seed"]: r["value"] for r in results if r["task"] == task and (r["run"], r["workers"]) == against}
+    return [points(t, r["value"], ref[r["seed"]]) for r in results
+            if r["task"] == task and r["run"] == run and r["workers"] == workers and r["seed"] in ref]
+
+
+def _spread(d):
+    if not d:
+        return ["", "", ""]
+    d = np.asarray(d)
+    se = d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+    return [f"{d.mean():+.2f}", f"{se:.2f}", f"{d.min():+.2f} / {d.max():+.2f}"]
+
+
+def summary(results):
+    """Tables in ``docs/_data``'s shape: the paired differences per task, run and worker count,
+    and the rule per algorithm and worker count (over the tasks that have results)."""
+    rows, means = [], {}
+    for name, task in TASKS.items():
+        for w in sorted({r["workers"] for r in results if r["task"] == name and r["workers"] > 1}):
+            for run in [a for a in ALGORITHMS if any(r["task"] == name and r["run"] == a for r in results)]:
+                d = paired_points(results, name, run, w, ("single", 1))
+                g = paired_points(results, name, run, w, ("single-global", w))
+                if d:
+                    means.setdefault((run, w), []).append(float(np.mean(d)))
+                rows.append([name, "yes" if task.held_out else "no", task.metric, run, w, len(d), *_spread(d),
+                             *_spread(g)[:2]])
+    rule = []
+    for (run, w), m in sorted(means.items()):
+        worst, mean = min(m), float(np.mean(m))
+        ok = worst >= RULE_EVERY and mean >= RULE_MEAN
+        rule.append([run, w, len(m), f"{worst:+.2f}", f"{mean:+.2f}", "yes" if ok else "no"])
+    return [
+        {"title": "Paired differences from the single process (points; positive is better)",
+         "columns": ["task", "held out", "metric", "algorithm", "workers", "seeds", "mean", "se", "min / max",
+                     "mean vs single at the global batch", "se (global)"],
+         "rows": rows},
+        {"title": "The rule: every task's mean >= -1.0 point, their average >= -0.5",
+         "columns": ["algorithm", "workers", "tasks", "worst task's mean", "average over tasks", "holds"],
+         "rows": rule},
+    ]
+
+
+def _machine():
+    import jax
+
+    return (f"{os.cpu_count()} cores ({platform.machine()}), Python {platform.python_version()}, "
+            f"jax {jax.__version__}; the embedded LocalCluster")
+
+
+def write(out, results, command, source):
+    _save(out, {"suite": "parity suite", "command": command, "machine": _machine(), "source": source,
+                "tables": summary(results), "results": results})
+
+
+def _results(path):
+    loaded = _load(path)
+    return loaded["results"] if isinstance(loaded, dict) else loaded
+
+
+# -- the run --------------------------------------------------------------------------------------
+def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchmarks/bench_suite.py"):
+    """Run every missing (task, run, workers, seed), writing ``out`` after each result."""
+    from distributed import Client
+
+    from dlspark.cluster import local_cluster
+
+    results = _results(out)
+    for r in results:  # results at another budget must not be paired with these
+        if r["task"] in tasks and r["epochs"] != TASKS[r["task"]].epochs:
+            raise SystemExit(f"{out} holds {r['task']} results at {r['epochs']} epochs and the suite trains "
+                             f"{TASKS[r['task']].epochs}: give another --out")
+    done = {(r["task"], r["run"], r["workers"], r["seed"]) for r in results}
+    data = {t: TASKS[t].data() for t in tasks}
+
+    def record(task, run, w, seed, fn, *args):
+        if (task, run, w, seed) in done:
+            return
+        t0 = time.perf_counter()
+        r = {"task": task, "run": run, "workers": w, "seed": seed, "epochs": TASKS[task].epochs,
+             "metric": TASKS[task].metric, **fn(*args), "seconds": round(time.perf_counter() - t0, 2)}
+        results.append(r)
+        done.add((task, run, w, seed))
+        write(out, results, command, source)
+        print(json.dumps(r), flush=True)
+
+    for seed in seeds:
+        for t in tasks:
+            record(t, "single", 1, seed, single_fit, TASKS[t], data[t], seed)
+            for w in workers:
+                record(t, "single-global", w, seed, single_fit, TASKS[t], data[t], seed, BATCH * w)
+    for w in workers:
+        cluster = local_cluster(w, dashboard_address=None)
+        client = Client(cluster)
+        try:
+            for seed in seeds:
+                for t in tasks:
+                    for a in algorithms:
+                        record(t, a, w, seed, distributed_fit, client, TASKS[t], data[t], seed, a)
+        finally:
+            for close in (client.close, cluster.close):  # the results are saved: a slow nanny is no failure
+                try:
+                    close()
+                except Exception as e:  # noqa: BLE001
+                    print(f"closing the {w}-worker cluster: {e!r}", file=sys.stderr)
+    return results
+
+
+# -- asv ------------------------------------------------------------------------------------------
+class TrackParitySuite:
+    """asv: the mean paired difference (points) from the single process at 16 a step, per
+    task and algorithm, on two workers over three seeds; the script runs the full suite."""
+
+    params = (list(TASKS), list(ALGORITHMS))
+    param_names = ["task", "algorithm"]  # noqa: RUF012 (asv reads a list)
+    timeout = 4 * 3600
+    seeds, workers = SEEDS[:3], 2
+
+    def setup_cache(self):
+        import tempfile
+
+        out = os.path.join(tempfile.mkdtemp(), "suite.json")
+        return run_grid(list(TASKS), self.seeds, [self.workers], list(ALGORITHMS), out)
+
+    def track_difference_points(self, results, task, algorithm):
+        return float(np.mean(paired_points(results, task, algorithm, self.workers, ("single", 1))))
+
+    track_difference_points.unit = "points"
+
+
+def _seed(text):
+    s = int(text)
+    if s not in SEEDS:
+        raise argparse.ArgumentTypeError(f"--seeds takes seeds of the suite, {SEEDS[0]} to {SEEDS[-1]}; got {s}")
+    return s
+
+
+def _workers(text):
+    w = int(text)
+    if w < 2:
+        raise argparse.ArgumentTypeError(f"--workers takes worker counts of 2 or more, got {w}")
+    return w
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--seeds", nargs="+", type=_seed, default=list(SEEDS), help="default: all, %(default)s")
+    p.add_argument("--workers", nargs="+", type=_workers, default=list(WORKERS))
+    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+    p.add_argument("--out", default="suite.json", help="results and tables, JSON (resumed if it exists)")
+    p.add_argument("--source", default="benchmarks/bench_suite.py, written as each result came",
+                   help="the source line written into --out (what the run was)")
+    p.add_argument("--table", action="store_true", help="only print the tables of the results in --out")
+    a = p.parse_args(argv)
+    command = "python benchmarks/bench_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if not a.table:
+        run_grid(a.tasks, a.seeds, a.workers, a.algorithms, a.out, command, a.source)
+    for table in summary(_results(a.out)):
+        print(f"\n{table['title']}\n" + " | ".join(map(str, table["columns"])))
+        for row in table["rows"]:
+            print(" | ".join(map(str, row)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The parity suite's tasks stay runnable: each builds its data and model and takes a step.
+
+The suite itself (``benchmarks/bench_suite.py``) is a benchmark of hours, not part of the
+test run; this keeps its tasks from rotting as the library changes.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+import bench_suite  # noqa: E402
+
+
+def test_suite_shape():
+    assert len(bench_suite.TASKS) >= 8
+    assert len(bench_suite.HELD_OUT) * 2 == len(bench_suite.TASKS)
+    assert bench_suite.SEEDS == tuple(range(10))
+    assert {t.metric for t in bench_suite.TASKS.values()} == {"accuracy", "auc", "mse"}
+
+
+@pytest.mark.parametrize("name", list(bench_suite.TASKS))
+def test_task_builds_and_steps(name):
+    task = bench_suite.TASKS[name]
+    train, test = task.data()
+    again, _ = task.data()
+    np.testing.assert_array_equal(train.features, again.features)  # pairing needs the same data every call
+    assert len(train) > len(test) > 0
+    net = bench_suite.make_network(task, train, seed=0)
+    before = bench_suite.score(task, net, test[:256])
+    net.fit(train[:16], epochs=1, batch_size=16)
+    after = bench_suite.score(task, net, test[:256])
+    assert np.isfinite(before) and np.isfinite(after)
+    assert after != before  # the step changed the parameters the score reads
+    if task.metric != "mse":
+        assert 0.0 <= after <= 1.0
+
+
+def test_points_sign():
+    mse = bench_suite.TASKS["diabetes"]
+    acc = bench_suite.TASKS["cancer"]
+    assert bench_suite.points(mse, 0.9, 1.0) == pytest.approx(10.0)  # lower MSE is better
+    assert bench_suite.points(acc, 0.91, 0.9) == pytest.approx(1.0)
+
+
+def test_cli_rejects_a_seed_outside_the_suite(capsys):
+    with pytest.raises(SystemExit):
+        bench_suite.main(["--seeds", "12", "--table", "--out", os.devnull])
+    assert "--seeds takes seeds of the suite, 0 to 9; got 12" in capsys.readouterr().err
