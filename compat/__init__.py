@@ -32,8 +32,8 @@ from ._evaluation import (ROC, Counter, Evaluation, EvaluationAveraging, Evaluat
                           RegressionEvaluation, ROCBinary, ROCMultiClass)
 from ._masters import ParameterAveragingTrainingMaster, SharedTrainingMaster, TrainingMaster
 from ._networks import SparkComputationGraph, SparkDl4jMultiLayer, SparkTrainingStats
-from ._listeners import (BaseTrainingListener, FileStatsStorage, PerformanceListener, ScoreIterationListener,
-                         StatsListener, StatsStorageRouter, TrainingListener)
+from ._listeners import (BaseTrainingListener, CheckpointListener, FileStatsStorage, PerformanceListener,
+                         ScoreIterationListener, StatsListener, StatsStorageRouter, TrainingListener)
 from ._util import BatchAndExportDataSetsFunction, DataSetExportFunction, ModelSerializer, SparkUtils, StatsUtils
 
 __all__ = [
@@ -76,4 +76,5 @@ __all__ = [
     "StatsListener",
     "StatsStorageRouter",
     "FileStatsStorage",
+    "CheckpointListener",
 ]

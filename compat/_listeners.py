@@ -23,7 +23,8 @@ import math
 from ._names import with_snake_aliases
 
 __all__ = ["TrainingListener", "BaseTrainingListener", "ScoreIterationListener", "PerformanceListener",
-           "StatsListener", "FileStatsStorage", "StatsStorageRouter", "ListenerModel", "dispatcher"]
+           "StatsListener", "FileStatsStorage", "StatsStorageRouter", "ListenerModel", "CheckpointListener",
+           "dispatcher", "checkpoint_options"]
 
 log = logging.getLogger("dlspark.compat")
 
@@ -179,6 +180,127 @@ class StatsListener(TrainingListener):
         if self.storage is not None:
             stats = getattr(self._trainer, "training_stats", None)
             self.storage.putRounds(self.rounds, stats)
+
+
+class _CheckpointBuilder:
+    """``CheckpointListener.Builder(rootDir)``: ``saveEveryEpoch()``, ``saveEveryNEpochs(n)``,
+    ``saveEveryNIterations(n)``, ``keepAll()``, ``keepLast(n)``, then ``build()``."""
+
+    def __init__(self, rootDir):
+        self._root, self._epochs, self._iterations, self._keep = str(rootDir), None, None, None
+
+    def _n(self, what, n):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{what} takes an integer >= 1, got {n!r}")
+        return n
+
+    def saveEveryEpoch(self):
+        """A checkpoint after every fit (one epoch)."""
+        return self.saveEveryNEpochs(1)
+
+    def saveEveryNEpochs(self, n: int):
+        """A checkpoint after every ``n`` fits."""
+        self._epochs = self._n("saveEveryNEpochs", n)
+        return self
+
+    def saveEveryNIterations(self, n: int):
+        """The core's checkpoint every round that ends ``n`` iterations or more after the last
+        one (``checkpoint_every`` rounds, a round being workers x minibatches per round)."""
+        self._iterations = self._n("saveEveryNIterations", n)
+        return self
+
+    def keepAll(self):
+        """Keep every epoch checkpoint (the default)."""
+        self._keep = None
+        return self
+
+    def keepLast(self, n: int):
+        """Keep only the last ``n`` epoch checkpoints."""
+        self._keep = self._n("keepLast", n)
+        return self
+
+    def build(self) -> "CheckpointListener":
+        if self._epochs is None and self._iterations is None:
+            raise ValueError("CheckpointListener.Builder(dir) needs saveEveryEpoch(), saveEveryNEpochs(n) or "
+                             "saveEveryNIterations(n) before build()")
+        return CheckpointListener(self._root, self._epochs, self._iterations, self._keep)
+
+
+@with_snake_aliases
+class CheckpointListener(TrainingListener):
+    """DL4J's ``CheckpointListener``, built with ``CheckpointListener.Builder(rootDir)``.
+
+    Epoch checkpoints are written on the driver after a fit, as
+    ``checkpoint_<n>_epoch_<e>.dls`` under ``rootDir`` (any URL; ``keepLast`` prunes them).
+    ``saveEveryNIterations`` maps onto the core's checkpoints during the fit
+    (``checkpoint_every`` rounds, written by the workers to ``rootDir/checkpoint_latest.dls``,
+    the file ``fit(..., resume_from=...)`` continues from). Restore a checkpoint into a network
+    with ``ModelSerializer.restoreMultiLayerNetwork(url, network=net)``.
+    """
+
+    Builder = _CheckpointBuilder
+
+    def __init__(self, root, every_epochs=None, every_iterations=None, keep_last=None):
+        self.root, self.every_epochs, self.every_iterations, self.keep_last = root, every_epochs, every_iterations, \
+            keep_last
+        self._epochs = 0
+        self._written: list = []
+
+    @property
+    def latest_url(self) -> str:
+        """Where the core's in-fit checkpoints go."""
+        from dlspark.io import url_join
+
+        return url_join(self.root, "checkpoint_latest.dls")
+
+    def onEpochEnd(self, model):
+        from dlspark.io import url_join
+
+        self._epochs += 1
+        if not self.every_epochs or self._epochs % self.every_epochs:
+            return
+        net = model.getNetwork()
+        url = url_join(self.root, f"checkpoint_{len(self._written)}_epoch_{net.epoch}.dls")
+        net.save(url)
+        self._written.append(url)
+        while self.keep_last and len(self._written) > self.keep_last:
+            _remove_file(self._written.pop(0))
+
+    @staticmethod
+    def availableCheckpoints(rootDir) -> list:
+        """The epoch checkpoints under ``rootDir``, oldest first."""
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(str(rootDir))
+        found = [p for p in fs.ls(path, detail=False) if p.rsplit("/", 1)[-1].startswith("checkpoint_")
+                 and "_epoch_" in p]
+        urls = [p if "://" not in str(rootDir) else fs.unstrip_protocol(p) for p in found]
+        return sorted(urls, key=lambda u: int(u.rsplit("/", 1)[-1].split("_")[1]))
+
+    @staticmethod
+    def lastCheckpoint(rootDir):
+        """The newest epoch checkpoint under ``rootDir`` (None if there is none)."""
+        found = CheckpointListener.availableCheckpoints(rootDir)
+        return found[-1] if found else None
+
+
+def _remove_file(url):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path)
+
+
+def checkpoint_options(listeners, master, n_workers) -> dict:
+    """The core fit's ``checkpoint_every``/``checkpoint_url`` for a CheckpointListener that saves
+    every N iterations (empty otherwise)."""
+    for x in listeners:
+        if isinstance(x, CheckpointListener) and x.every_iterations:
+            per_round = n_workers * getattr(master, "averaging_frequency", getattr(master, "steps_per_round", 1))
+            return {"checkpoint_every": max(1, x.every_iterations // max(1, per_round)),
+                    "checkpoint_url": x.latest_url}
+    return {}
 
 
 def parse_listeners(args) -> tuple:

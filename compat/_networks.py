@@ -17,7 +17,7 @@ from dlspark.data import SourceContext, fit_minibatches, list_minibatches
 from dlspark import spark as _spark
 
 from ._cluster import dask_client, progress_enabled
-from ._listeners import dispatcher, parse_listeners
+from ._listeners import checkpoint_options, dispatcher, parse_listeners
 from ._runtime import CompatTrainer, dealt, set_periodic_gc
 from ._evaluation import Evaluation, RegressionEvaluation, ROC, ROCMultiClass
 from ._masters import TrainingMaster, spark_storage_level
@@ -135,7 +135,8 @@ class _SparkNetwork:
             urls = dealt(list_minibatches(urls) if isinstance(urls, str) else urls, self._master.rng_seed,
                          self._network.epoch)
         on_round, end = dispatcher(self._listeners, self._network, trainer)
-        trainer.fit_paths(urls, loader=loader, callbacks=[on_round] if self._listeners else ())
+        every = checkpoint_options(self._listeners, trainer.master, len(trainer._workers()))
+        trainer.fit_paths(urls, loader=loader, callbacks=[on_round] if self._listeners else (), **every)
         end()
 
     def _fit_rdd(self, trainer, rdd):
@@ -220,6 +221,7 @@ class _SparkNetwork:
             if level is not None and not paths.is_cached:  # DL4J's storageLevelStreams: read once, kept
                 from ._masters import spark_storage_level
 
+                paths.__dict__.pop("_dlspark_paths", None)  # strings kept from an earlier persistence are stale
                 paths.persist(spark_storage_level(level))
             urls = _spark.collect_paths(paths, "fitPaths")
         else:

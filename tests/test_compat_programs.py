@@ -127,6 +127,7 @@ def new_net(seed=0, updater=None):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_export_list_fit_paths_and_evaluate_with_listeners(sc, cluster, tmp_path, caplog):
     """The docs' export-then-fitPaths program: DataSetExportFunction writes the RDD, listPaths lists it,
     fitPaths trains with a score, a performance and a stats listener, doEvaluation reads the files."""
@@ -349,3 +350,31 @@ def test_master_settings_do_what_they_say(sc, cluster, tmp_path):
                                          r"cluster runs fewer on .* \(2\)"):
         SparkDl4jMultiLayer(sc, new_net(), too_many).fitPaths(SparkUtils.listPaths(sc, out))
     assert not any(cluster.run(lambda dask_worker: GC_PLUGIN in dask_worker.plugins).values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # three fits; compilation under load takes minutes
+def test_checkpoint_listener_saves_every_epoch_and_every_n_iterations(sc, cluster, tmp_path):
+    from conftest import tree_equal
+
+    from dlspark.compat import (CheckpointListener, DataSetExportFunction, ModelSerializer,
+                                ParameterAveragingTrainingMaster, SparkDl4jMultiLayer, SparkUtils)
+
+    data = str(tmp_path / "data")
+    digits_rdd(sc).foreachPartition(DataSetExportFunction(data))
+    root = str(tmp_path / "checkpoints")
+    listener = CheckpointListener.Builder(root).keepLast(2).saveEveryEpoch().saveEveryNIterations(8).build()
+    tm = ParameterAveragingTrainingMaster.Builder(32).batchSizePerWorker(32).averagingFrequency(2).build()
+    spark_net = SparkDl4jMultiLayer(sc, new_net(), tm)
+    spark_net.setListeners(listener)
+    paths = SparkUtils.listPaths(sc, data).cache()
+    for _ in range(3):
+        spark_net.fitPaths(paths)
+    kept = CheckpointListener.availableCheckpoints(root)
+    assert [os.path.basename(u) for u in kept] == ["checkpoint_1_epoch_2.dls", "checkpoint_2_epoch_3.dls"]
+    assert CheckpointListener.lastCheckpoint(root) == kept[-1]
+    back = ModelSerializer.restoreMultiLayerNetwork(kept[-1], network=new_net())
+    assert tree_equal(back.state.params, spark_net.getNetwork().state.params)
+    assert os.path.exists(listener.latest_url)  # the core's in-fit checkpoint, every 2 rounds of 2 x 2 minibatches
+    with pytest.raises(ValueError, match="needs saveEveryEpoch"):
+        CheckpointListener.Builder(root).build()
