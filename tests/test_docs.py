@@ -60,6 +60,9 @@ SKIP = {
         "needs a SLURM cluster with GPUs and the reader's train.py; dlspark train --slurm runs in tests/test_slurm.py",
     ("docs/benchmarks/index.md", "pip install -e \".[bench]\""):
         "installs asv and runs every benchmark suite (minutes); the suites are run by hand",
+    ("docs/benchmarks/network.md", "from distributed import Client"):
+        "needs root and iproute2 (network namespaces) and the reader's network, master and data; "
+        "tests/test_network_emulated.py runs emulated_cluster with real fits",
     ("docs/guides/security.md", "dlspark info --scheduler tls://10.0.0.5:8786 --tls-ca-file ca.pem --tls-cert node.pem "
                                 "--tls-key node.key"):
         "needs the reader's TLS scheduler and certificates; tests/test_security.py runs dlspark info and dlspark "
