@@ -4,7 +4,7 @@ import pytest
 
 MODULES = ["dlspark", "dlspark.data", "dlspark.datasets", "dlspark.losses", "dlspark.io", "dlspark.errors",
            "dlspark.checkpoint", "dlspark.compat", "dlspark.distributed", "dlspark.evaluation", "dlspark.cluster",
-           "dlspark.cli"]
+           "dlspark.cli", "dlspark.testing"]
 
 
 @pytest.mark.parametrize("modname", MODULES)
