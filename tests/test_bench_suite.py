@@ -7,6 +7,7 @@ test run; this keeps its tasks from rotting as the library changes.
 import os
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -30,11 +31,11 @@ def test_task_builds_and_steps(name):
     np.testing.assert_array_equal(train.features, again.features)  # pairing needs the same data every call
     assert len(train) > len(test) > 0
     net = bench_suite.make_network(task, train, seed=0)
-    before = bench_suite.score(task, net, test[:256])
+    before = [np.asarray(p) for p in jax.tree.leaves(net.params)]  # copies: the step may donate buffers
     net.fit(train[:16], epochs=1, batch_size=16)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, jax.tree.leaves(net.params)))
     after = bench_suite.score(task, net, test[:256])
-    assert np.isfinite(before) and np.isfinite(after)
-    assert after != before  # the step changed the parameters the score reads
+    assert np.isfinite(after)
     if task.metric != "mse":
         assert 0.0 <= after <= 1.0
 
