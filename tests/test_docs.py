@@ -60,6 +60,8 @@ SKIP = {
         "needs a SLURM cluster with GPUs and the reader's train.py; dlspark train --slurm runs in tests/test_slurm.py",
     ("docs/benchmarks/index.md", "pip install -e \".[bench]\""):
         "installs asv and runs every benchmark suite (minutes); the suites are run by hand",
+    ("docs/benchmarks/parity-suite.md", "python benchmarks/bench_suite.py --out suite.json       # the whole suite"):
+        "the parity suite (hours; a slice takes minutes); tests/test_bench_suite.py builds and steps each task",
     ("docs/benchmarks/network.md", "from distributed import Client"):
         "needs root and iproute2 (network namespaces) and the reader's network, master and data; "
         "tests/test_network_emulated.py runs emulated_cluster with real fits",
