@@ -48,9 +48,10 @@ def _is_seed_state(v) -> bool:
 
 
 def _keys(variables):
-    paths = [v.path for v in variables]
-    # paths are unique in a model, except where layers share names; an index keeps them apart there
-    return paths if len(set(paths)) == len(paths) else [f"{i}:{p}" for i, p in enumerate(paths)]
+    # the variable's place in the model and its own name ("003_kernel"): Keras' paths hold
+    # counters of the layers built so far in the process ("sequential_3/dense_6/kernel"), so a
+    # model built again, or elsewhere, would not find its checkpoint's arrays by path
+    return [f"{i:03d}_{v.name}" for i, v in enumerate(variables)]
 
 
 class KerasAdapter:
@@ -110,9 +111,11 @@ class KerasAdapter:
 
     def init(self, rng, x):
         m = self.model
-        variables = {"params": {k: np.asarray(v.value) for k, v in zip(self.params_keys, m.trainable_variables)}}
-        state = {k: np.asarray(v.value) for i, (k, v) in enumerate(zip(self.state_keys, m.non_trainable_variables))
-                 if i not in self.seeds}
+        # copies: the training steps donate the state's buffers, which must not be the model's own
+        variables = {"params": {k: jnp.array(v.value, copy=True)
+                                for k, v in zip(self.params_keys, m.trainable_variables)}}
+        state = {k: jnp.array(v.value, copy=True)
+                 for i, (k, v) in enumerate(zip(self.state_keys, m.non_trainable_variables)) if i not in self.seeds}
         if state:
             variables["keras"] = state
         return variables
