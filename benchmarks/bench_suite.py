@@ -52,6 +52,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -347,21 +348,28 @@ def summary(results):
                 g = paired_points(results, name, run, w, ("single-global", w))
                 if d:
                     means.setdefault((run, w), []).append(float(np.mean(d)))
+                ratio = [r["dense_bytes"] / max(1, r["bytes_sent"]) for r in results
+                         if (r["task"], r["run"], r["workers"]) == (name, run, w) and "dense_bytes" in r]
                 rows.append([name, "yes" if task.held_out else "no", task.metric, run, w, len(d), *_spread(d),
-                             *_spread(g)[:2]])
+                             *_spread(g)[:2], f"{min(ratio):.0f}x" if ratio else ""])
     rule = []
     for (run, w), m in sorted(means.items()):
         worst, mean = min(m), float(np.mean(m))
         ok = worst >= RULE_EVERY and mean >= RULE_MEAN
         rule.append([run, w, len(m), f"{worst:+.2f}", f"{mean:+.2f}", "yes" if ok else "no"])
+    seeds = {r["seed"] for r in results}
+    partial = (f"Not the rule's verdict: the rule is over all {len(TASKS)} tasks and seeds "
+               f"{SEEDS[0]}-{SEEDS[-1]}, these results cover {len({r['task'] for r in results})} tasks and "
+               f"{len(seeds)} seeds." if len({r["task"] for r in results}) < len(TASKS) or len(seeds) < len(SEEDS)
+               else "")
     return [
         {"title": "Paired differences from the single process (points; positive is better)",
          "columns": ["task", "held out", "metric", "algorithm", "workers", "seeds", "mean", "se", "min / max",
-                     "mean vs single at the global batch", "se (global)"],
+                     "mean vs single at the global batch", "se (global)", "dense / sent bytes (min)"],
          "rows": rows},
         {"title": "The rule: every task's mean >= -1.0 point, their average >= -0.5",
          "columns": ["algorithm", "workers", "tasks", "worst task's mean", "average over tasks", "holds"],
-         "rows": rule},
+         "rows": rule, **({"note": partial} if partial else {})},
     ]
 
 
@@ -477,13 +485,15 @@ def main(argv=None):
                    help="the source line written into --out (what the run was)")
     p.add_argument("--table", action="store_true", help="only print the tables of the results in --out")
     a = p.parse_args(argv)
-    command = "python benchmarks/bench_suite.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", "benchmarks/bench_suite.py", *(sys.argv[1:] if argv is None else argv)])
     if not a.table:
         run_grid(a.tasks, a.seeds, a.workers, a.algorithms, a.out, command, a.source)
     for table in summary(_results(a.out)):
         print(f"\n{table['title']}\n" + " | ".join(map(str, table["columns"])))
         for row in table["rows"]:
             print(" | ".join(map(str, row)))
+        if table.get("note"):
+            print(table["note"])
 
 
 if __name__ == "__main__":
