@@ -77,3 +77,5 @@ html_theme_options = {
     "footer_end": [],
 }
 html_show_sourcelink = False
+# Pages outside a section have no section navigation: no empty left sidebar there.
+html_sidebars = {page: [] for page in ("index", "getting-started", "notebooks/*", "dl4j", "changelog")}

@@ -109,6 +109,25 @@ def api_entries(module):
     return out
 
 
+def nested_classes(obj):
+    """Names of the public classes defined as attributes of class ``obj`` (``Builder``)."""
+    if not inspect.isclass(obj):
+        return []
+    out, seen = [], set()
+    for k, v in sorted(vars(obj).items(), key=lambda kv: not kv[0][:1].isupper()):  # Builder before builder
+        if inspect.isclass(v) and not k.startswith("_") and id(v) not in seen:
+            seen.add(id(v))
+            out.append(k)
+    return out
+
+
+def _skip_nested_class(app, what, name, obj, skip, options):
+    # documented on a page of its own (api_page), not as an alias on its owner's page
+    if what == "class" and inspect.isclass(obj):
+        return True
+    return None
+
+
 def _role(obj):
     if inspect.isclass(obj):
         return "class" if not issubclass(obj, BaseException) else "exc"
@@ -123,7 +142,12 @@ def api_page(module) -> str:
     lines = [name, "=" * len(name), "", f".. automodule:: {name}", "   :no-members:", "",
              f".. currentmodule:: {name}", ""]
     entries = api_entries(module)
-    pages = [e[1] for e in entries if e[0] == "page"]
+    pages = []
+    for e in entries:
+        if e[0] == "page":
+            pages.append(e[1])
+            # a public class's nested classes (DL4J's builders) get pages of their own
+            pages += [f"{e[1]}.{attr}" for attr in nested_classes(getattr(module, e[1]))]
     if pages:
         lines += [".. autosummary::", "   :toctree: generated", "   :nosignatures:", ""]
         lines += [f"   {n}" for n in pages] + [""]
@@ -328,7 +352,19 @@ def _nested(obj):
 
 def _missing_reference(app, env, node, contnode):
     target = node.get("reftarget", "")
-    if node.get("refdomain") != "py" or not target.startswith("dlspark."):
+    if node.get("refdomain") != "py":
+        return None
+    if "." not in target and str(node.get("py:module") or "").startswith("dlspark."):
+        # a bare name in a docstring read where its private module is the context: the public module's
+        context = str(node.get("py:module"))
+        # the public module nearest the private one first (dlspark.compat for dlspark.compat._masters)
+        for mod in sorted(public_modules(), key=lambda m: -len(m.__name__) if context.startswith(m.__name__ + ".")
+                          else 0):
+            if target in getattr(mod, "__all__", ()):
+                return env.get_domain("py").resolve_xref(env, node.get("refdoc"), app.builder, node["reftype"],
+                                                         f"{mod.__name__}.{target}", node, contnode)
+        return None
+    if not target.startswith("dlspark."):
         return None
     public = public_name(target)
     if public is None or public == target:
@@ -337,6 +373,30 @@ def _missing_reference(app, env, node, contnode):
     return domain.resolve_xref(env, node.get("refdoc"), app.builder, node["reftype"], public, node, contnode)
 
 
+def _document_nested_classes_as_classes():
+    """A nested class whose ``__qualname__`` ends in the name it is documented under (DL4J's
+    ``ParameterAveragingTrainingMaster.Builder``, defined as ``_ParameterAveragingBuilder``) is
+    documented as a class with its methods, not as an alias. Sphinx's autodoc decides this in a
+    private property; where that changes, the builders are shown as aliases again (no failure)."""
+    try:
+        from sphinx.ext.autodoc._property_types import _ClassDefProperties
+    except ImportError:
+        return
+    original = _ClassDefProperties.__dict__.get("doc_as_attr")
+    if not isinstance(original, property):
+        return
+
+    def doc_as_attr(self):
+        qualname = getattr(self, "_obj___qualname__", None) or ""
+        if "." in qualname and qualname.rsplit(".", 1)[1] == self.parts[-1]:
+            return False
+        return original.fget(self)
+
+    _ClassDefProperties.doc_as_attr = property(doc_as_attr)
+
+
 def setup(app):
+    _document_nested_classes_as_classes()
     app.connect("missing-reference", _missing_reference)
+    app.connect("autodoc-skip-member", _skip_nested_class)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
