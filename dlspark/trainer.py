@@ -21,6 +21,9 @@ from .stats import TrainingStats
 
 __all__ = ["DistributedTrainer"]
 
+#: how long a fit waits for a cluster with no workers (starting, or restarted by their nannies) to get one
+NO_WORKERS_WAIT_S = 10
+
 
 def _named_columns(data, features, labels):
     """``data`` with its columns named, where ``features`` or ``labels`` are given (a DataFrame)."""
@@ -166,7 +169,13 @@ class DistributedTrainer:
     def _workers(self):
         workers = sorted(self.client.scheduler_info()["workers"])
         if not workers:
-            raise RuntimeError("the cluster has no workers; start some (e.g. cluster.scale(2)) and try again")
+            # workers that are starting or being restarted by their nannies come back within seconds
+            try:
+                self.client.wait_for_workers(1, timeout=NO_WORKERS_WAIT_S)
+            except TimeoutError:
+                raise RuntimeError(f"the cluster has no workers (waited {NO_WORKERS_WAIT_S} s for one); start some "
+                                   "(e.g. cluster.scale(2)) and try again") from None
+            workers = sorted(self.client.scheduler_info()["workers"])
         return workers
 
     def _export_dir(self, storage_options=None):

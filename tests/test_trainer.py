@@ -597,3 +597,24 @@ def test_a_failed_atomic_write_names_the_file_it_was_writing(tmp_path):
     if os.path.isdir("/proc/self"):  # a directory that takes no new files, even from root
         with pytest.raises(OSError, match=r"writing '/proc/x.bin' \(through the temporary file"):
             write_bytes("/proc/x.bin", b"1")
+
+
+def test_a_fit_waits_briefly_for_a_worker_that_is_starting_and_names_an_empty_cluster():
+    # Threads, not processes: only the scheduler's view of its workers is under test here.
+    import threading
+    import time
+    import types
+
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        holder = types.SimpleNamespace(client=client)
+        threading.Timer(1.0, cluster.scale, args=(1,)).start()  # a worker arrives after the fit started
+        assert len(DistributedTrainer._workers(holder)) == 1
+        cluster.scale(0)
+        deadline = time.monotonic() + 30
+        while client.scheduler_info()["workers"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(RuntimeError, match=r"the cluster has no workers \(waited"):
+            DistributedTrainer._workers(holder)
