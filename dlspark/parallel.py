@@ -20,7 +20,8 @@ import numpy as np
 
 from ._inference import _check_evaluations, evaluate_dataset, stack_examples, unstack_outputs
 from ._mesh import DeviceRuntime, MeshExchange, divergence
-from .algorithms._base import Algorithm, positive_int
+from ._validate import positive_int
+from .algorithms._base import Algorithm
 from .data import as_dataset, list_minibatches, load_ref
 from .data._sources import (_aligned_blocks, _batch_arrays, _rebatch, in_memory_examples, is_dask_collection,
                             keyed_items, local_batches)

@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from . import _inference as _inf
-from .algorithms._base import Algorithm, positive_int
+from ._validate import positive_int
+from .algorithms._base import Algorithm
 from .data._exports import Exports
 from .data._sources import SourceContext, path_minibatches
 from .distributed._client import check_fit_args, install_plugins, run_fit

@@ -10,28 +10,19 @@ machine and the trainer call these hooks and never ask which algorithm it is.
 from __future__ import annotations
 
 import abc
-import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
+from .._validate import positive_int
 from ..distributed._messages import JobOptions, Reply
 from ..stats._record import RoundFigures
 
-__all__ = ["Algorithm", "RoundDriver", "positive_int", "choice", "check_common", "TRAINING_APPROACHES",
+__all__ = ["Algorithm", "RoundDriver", "choice", "check_common", "TRAINING_APPROACHES",
            "REPARTITION", "REPARTITION_STRATEGIES"]
 
 TRAINING_APPROACHES = ("export", "direct")
 REPARTITION = ("always", "never", "num_partitions_workers_differs")
 REPARTITION_STRATEGIES = ("balanced", "spark_default")
-
-
-def positive_int(name, value, minimum=1) -> int:
-    """``value`` as an int, checked to be an integer (numpy's too, not a bool) >= ``minimum``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def int_setting(master, name, minimum=1) -> None:

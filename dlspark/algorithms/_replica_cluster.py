@@ -11,90 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from distributed.protocol import to_serialize
 
-from ..distributed._machine import RoundDone
-from ..distributed._messages import FitOrder, FitReply, Order, Reply, Unavailable
+from ..distributed._messages import FitReply, Unavailable
 from ..distributed._peers import call_peer
 from ..distributed._run import WorkerRun
-from ._base import RoundDriver
+from ._mean_round import Leaves, MeanOrder, MeanReply, MeanRoundDriver
 from ._replica_common import ReplicaFigures, mean_of
 
 __all__ = ["ReplicaRun", "ReplicaDriver"]
 
 
-@dataclass(frozen=True)
-class MeanWith:
-    """A fit order's plan: take the mean with these contributors once the fit is done."""
-
-    contributors: tuple
-
-
-@dataclass(frozen=True)
-class MeanOrder(Order):
-    """Finish ``round`` with the mean over ``contributors``."""
-
-    op: ClassVar[str] = "mean"
-    round: int = 0
-    contributors: tuple = ()
-
-
-@dataclass(frozen=True)
-class MeanReply(Reply):
-    ok: bool = True
-    avg_time: float = 0.0
-    fetch_time: float = 0.0
-    bytes_received: int = 0
-
-
-@dataclass(frozen=True)
-class Leaves(Reply):
-    """A replica's contribution to a round, as host arrays."""
-
-    leaves: list = ()
-
-
-class ReplicaDriver(RoundDriver):
-    """Every worker with data fits and then takes the mean with the round's other
-    contributors; workers with no data only take the mean. The round is over when every
-    live worker took it over exactly the contributors still alive."""
+class ReplicaDriver(MeanRoundDriver):
+    """The round of :class:`~dlspark.algorithms._mean_round.MeanRoundDriver`, with the
+    replica's figures."""
 
     failure = "the replicas could not take the round's mean"
 
-    def begin(self, plan, hint, live):
-        self.round, self.expected = plan.round, tuple(plan.contributors)
-        self.fits, self.means, self.fitted = {}, {}, False
-        epoch = self.options.base_epoch + plan.epoch
-        orders = []
-        for w in sorted(live):
-            refs = tuple(plan.assignment.get(w) or ())
-            if refs:
-                orders.append((w, FitOrder(round=plan.round, epoch=epoch, refs=refs, next_refs=tuple(hint.get(w, ())),
-                                           plan=MeanWith(self.expected))))
-            else:
-                orders.append((w, MeanOrder(plan.round, self.expected)))
-        return orders
-
-    def step(self, replies, live, attempt):
-        if not self.fitted:
-            self.fitted = True
-            self.fits = {w: r for w, r in replies.items() if isinstance(r, FitReply)}
-            self.contributors = [w for w in self.expected if w in self.fits]
-            replies = {w: (r.extra["mean"] if isinstance(r, FitReply) else r) for w, r in replies.items()}
-        self.means = replies
-        self.contributors = [w for w in self.contributors if w in live]
-        if list(self.expected) == self.contributors and all(w in replies and replies[w].ok for w in sorted(live)):
-            return RoundDone(tuple(self.contributors))
-        self.expected = tuple(self.contributors)
-        return [(w, MeanOrder(self.round, self.expected)) for w in sorted(live)]
-
-    def round_stats(self):
+    def round_stats(self) -> ReplicaFigures:
         m = [r for r in self.means.values() if isinstance(r, MeanReply)]
         return ReplicaFigures(avg_time=max((x.avg_time for x in m), default=0.0),
                               fetch_time=max((x.fetch_time for x in m), default=0.0),

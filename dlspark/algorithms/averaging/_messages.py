@@ -5,44 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ...distributed._messages import Order, Reply
+from ...distributed._messages import Reply
+from .._mean_round import Leaves, MeanOrder, MeanReply, MeanWith
 from ...stats._record import RoundFigures
 
 __all__ = ["AveragingFigures", "AverageWith", "AverageOrder", "AverageReply", "Contribution", "SharedContribution", "Share"]
 
 
-@dataclass(frozen=True)
-class AverageWith:
-    """A fit order's plan: average with these contributors as soon as the fit is done."""
-
-    contributors: tuple
+#: a fit order's plan: average with these contributors as soon as the fit is done
+AverageWith = MeanWith
 
 
 @dataclass(frozen=True)
-class AverageOrder(Order):
+class AverageOrder(MeanOrder):
     """Average ``round`` over ``contributors``; ``attempt`` numbers the coordinator's tries."""
 
     op: ClassVar[str] = "average"
-    round: int = 0
-    contributors: tuple = ()
-    attempt: int = 0
 
 
 @dataclass(frozen=True)
-class AverageReply(Reply):
-    ok: bool = True
-    avg_time: float = 0.0
-    fetch_time: float = 0.0
-    bytes_received: int = 0
+class AverageReply(MeanReply):
+    """A worker's average; ``contributors`` are those it averaged over."""
+
     contributors: tuple = ()
     bytes_shared: int = 0  # of bytes_received, those read from a co-located peer's shared memory
 
 
-@dataclass(frozen=True)
-class Contribution(Reply):
-    """A replica's leaves after its fit (or one share of their floating-point elements)."""
-
-    leaves: list = ()
+#: a replica's leaves after its fit (or one share of their floating-point elements)
+Contribution = Leaves
 
 
 @dataclass(frozen=True)
