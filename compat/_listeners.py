@@ -1,17 +1,19 @@
 """DL4J's training listeners over the core trainer's ``callbacks``.
 
-``sparkNet.setListeners(ScoreIterationListener(10))`` and the like: each
-listener is called on the driver as the rounds of a fit complete (the core
-trainer streams every round's record from the scheduler to the client's
-``callbacks``; nothing runs beside that mechanism). DL4J calls its listeners
-after every iteration on the workers; here one call covers a round, whose
-``iteration`` is the network's iteration count at the end of the round (it
-counts every minibatch any worker trained: a round of parameter averaging on
-``n`` workers adds ``n * averagingFrequency``) and whose ``model.score()`` is
-the round's mean loss over the workers.
+``sparkNet.setListeners(ScoreIterationListener(10))`` and the like. As in DL4J,
+``iterationDone(model, iteration, epoch)`` is called once per iteration (one
+minibatch a worker trained), with DL4J's numbering: ``iteration`` is the network's
+iteration count before that minibatch, so a fit's calls count up one by one from the
+count it started at. The workers record each minibatch's loss, examples and time
+as they train; the rows travel to the driver in the round's statistics record (the
+one record the core trainer streams from the scheduler to the client's
+``callbacks``; nothing runs beside that mechanism), and the listeners are called
+for each row as its round completes, the workers' k-th minibatches of a round
+before their (k+1)-th. ``model.score()`` is that minibatch's loss and
+``model.record`` the whole round's statistics.
 
 ``StatsListener`` with a ``FileStatsStorage(path)`` writes the training
-statistics to ``path`` (any fsspec URL) after every round, as the JSON that
+statistics to ``path`` (any fsspec URL) as the rounds complete, as the JSON that
 ``dlspark stats path`` and :meth:`dlspark.stats.TrainingStats.load_json` read.
 """
 
@@ -31,28 +33,34 @@ log = logging.getLogger("dlspark.compat")
 
 @with_snake_aliases
 class ListenerModel:
-    """What a listener's ``model`` argument answers: the round's score and counters, and the
+    """What a listener's ``model`` argument answers: the iteration's score and counters, and the
     :class:`dlspark.Network` (``getNetwork()``; its parameters are the fit's starting ones until
-    the fit returns)."""
+    the fit returns). ``row`` is the iteration's row of ``record["iterations"]`` (None around a
+    fit: ``onEpochStart``/``onEpochEnd``)."""
 
-    def __init__(self, network, record, iteration, epoch):
+    def __init__(self, network, record, iteration, epoch, row=None):
         self.network, self.record, self._iteration, self._epoch = network, dict(record), iteration, epoch
+        self.row = row
 
     def score(self) -> float:
-        """The round's mean training loss over the workers (NaN if no worker reported one)."""
-        loss = self.record.get("loss")
+        """The iteration's minibatch loss (around a fit: the last round's mean loss over the
+        workers; NaN if there is none)."""
+        loss = self.record.get("loss") if self.row is None else self.row["loss"]
         return math.nan if loss is None else float(loss)
 
     def getIterationCount(self) -> int:
-        """The last iteration of the round."""
+        """The iteration (DL4J's count before the minibatch)."""
         return self._iteration
 
     def getEpochCount(self) -> int:
-        """The epoch the round belongs to."""
+        """The epoch the iteration belongs to."""
         return self._epoch
 
     def batchSize(self) -> int:
-        """Examples per worker minibatch in the round (its examples over its minibatches)."""
+        """Examples in the iteration's minibatch (around a fit: per worker minibatch of the last
+        round)."""
+        if self.row is not None:
+            return int(self.row["examples"])
         return int(self.record.get("examples", 0) // max(1, self.record.get("minibatches", 1)))
 
     def getNetwork(self):
@@ -64,12 +72,13 @@ class ListenerModel:
 class TrainingListener:
     """DL4J's ``TrainingListener`` (and ``BaseTrainingListener``): override what you need.
 
-    ``iterationDone(model, iteration, epoch)`` after each round, ``onEpochStart(model)`` and
-    ``onEpochEnd(model)`` around each ``fit`` (one epoch, as in DL4J's Spark training).
+    ``iterationDone(model, iteration, epoch)`` once per iteration (a minibatch one worker
+    trained), ``onEpochStart(model)`` and ``onEpochEnd(model)`` around each ``fit`` (one epoch,
+    as in DL4J's Spark training).
     """
 
     def iterationDone(self, model, iteration: int, epoch: int) -> None:
-        """Called as each round completes."""
+        """Called once per iteration, as the round it belongs to completes."""
 
     def onEpochStart(self, model) -> None:
         """Called before a fit's first round."""
@@ -84,42 +93,43 @@ BaseTrainingListener = TrainingListener
 @with_snake_aliases
 class ScoreIterationListener(TrainingListener):
     """DL4J's ``ScoreIterationListener(printIterations)``: logs ``Score at iteration N is S`` (logger
-    ``dlspark.compat``, level INFO) each time the iteration count passes a multiple of
-    ``printIterations`` (default 10)."""
+    ``dlspark.compat``, level INFO) at every iteration that is a multiple of ``printIterations``
+    (default 10)."""
 
     def __init__(self, printIterations: int = 10):
         if isinstance(printIterations, bool) or not isinstance(printIterations, int) or printIterations < 1:
             raise ValueError(f"printIterations must be an integer >= 1, got {printIterations!r}")
         self.print_iterations = printIterations
-        self._last = None
 
     def iterationDone(self, model, iteration, epoch):
-        if self._last is None or iteration // self.print_iterations > self._last // self.print_iterations:
+        if iteration % self.print_iterations == 0:
             log.info("Score at iteration %d is %s", iteration, model.score())
-        self._last = iteration
 
 
 @with_snake_aliases
 class PerformanceListener(TrainingListener):
-    """DL4J's ``PerformanceListener(frequency, reportScore)``: logs, every ``frequency`` rounds,
-    the round's time, examples and minibatches per second, the workers' mean wait for data
-    (DL4J's ETL time) and, with ``reportScore``, the score."""
+    """DL4J's ``PerformanceListener(frequency, reportScore)``: logs, every ``frequency``
+    iterations, the iteration's time, its worker's examples and minibatches per second, the
+    worker's wait for data per minibatch in the round (DL4J's ETL time) and, with
+    ``reportScore``, the score. An iteration's time is its worker's fit time in the round
+    shared equally among the round's minibatches (``dlspark.stats._record.iteration_rows``)."""
 
     def __init__(self, frequency: int = 1, reportScore: bool = False):
         if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
             raise ValueError(f"frequency must be an integer >= 1, got {frequency!r}")
-        self.frequency, self.report_score, self._rounds = frequency, bool(reportScore), 0
+        self.frequency, self.report_score, self._calls = frequency, bool(reportScore), 0
 
     def iterationDone(self, model, iteration, epoch):
-        self._rounds += 1
-        if self._rounds % self.frequency:
+        self._calls += 1
+        if self._calls % self.frequency:
             return
-        r = model.record
-        seconds = max(float(r.get("round_time", 0.0)), 1e-9)
-        waits = list((r.get("data_wait") or {}).values())
-        text = (f"ETL: {1000 * sum(waits) / max(1, len(waits)):.0f} ms; iteration {iteration}; "
-                f"iteration time: {1000 * seconds:.0f} ms; samples/sec: {r.get('examples', 0) / seconds:.3f}; "
-                f"batches/sec: {r.get('minibatches', 0) / seconds:.3f}")
+        r, row = model.record, model.row or {}
+        worker = row.get("worker")
+        seconds = max(float(row.get("time", r.get("round_time", 0.0))), 1e-9)
+        steps = max(1, (r.get("worker_steps") or {}).get(worker, 1))
+        etl = float((r.get("data_wait") or {}).get(worker, 0.0)) / steps
+        text = (f"ETL: {1000 * etl:.0f} ms; iteration {iteration}; iteration time: {1000 * seconds:.0f} ms; "
+                f"samples/sec: {model.batchSize() / seconds:.3f}; batches/sec: {1 / seconds:.3f}")
         if self.report_score:
             text += f"; score: {model.score()}"
         log.info(text)
@@ -171,8 +181,9 @@ class StatsListener(TrainingListener):
         self.rounds: list = []
         self._trainer = None
 
-    def iterationDone(self, model, iteration, epoch):
-        self.rounds.append(dict(model.record, iteration=iteration, epoch=epoch))
+    def roundDone(self, record) -> None:
+        """Called with each round's statistics as the round completes (before its iterations)."""
+        self.rounds.append(dict(record))
         if self.storage is not None and len(self.rounds) % self.frequency == 0:
             self.storage.putRounds(self.rounds)
 
@@ -331,7 +342,7 @@ def parse_listeners(args) -> tuple:
 def dispatcher(listeners, network, trainer):
     """The core ``callbacks`` entry that calls ``listeners`` for each round of one fit, and the
     function that calls their ``onEpochEnd`` after it: ``(callback, end)``."""
-    state = {"iteration": network.iteration, "last": None}
+    base, state = network.iteration, {"last": None}
     for x in listeners:
         if isinstance(x, StatsListener):
             x._trainer = trainer
@@ -339,15 +350,19 @@ def dispatcher(listeners, network, trainer):
             x.onEpochStart(ListenerModel(network, {}, network.iteration, network.epoch))
 
     def on_round(record):
-        # the network counts every minibatch any worker trained as one iteration
-        state["iteration"] += int(record.get("minibatches", 0))
-        epoch = network.epoch + int(record.get("epoch", 0))
-        model = state["last"] = ListenerModel(network, record, state["iteration"], epoch)
         for x in listeners:
-            x.iterationDone(model, state["iteration"], epoch)
+            if isinstance(x, StatsListener):
+                x.roundDone(record)
+        for row in record.get("iterations") or ():
+            # DL4J's numbering: the network's iteration count before the minibatch
+            iteration, epoch = base + int(row["fit_step"]), network.epoch + int(row["epoch"])
+            model = state["last"] = ListenerModel(network, record, iteration, epoch, row)
+            for x in listeners:
+                x.iterationDone(model, iteration, epoch)
 
     def end():
-        model = state["last"] or ListenerModel(network, {}, network.iteration, network.epoch)
+        last = state["last"]
+        model = ListenerModel(network, last.record if last else {}, network.iteration, network.epoch)
         for x in listeners:
             x.onEpochEnd(model)
 

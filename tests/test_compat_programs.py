@@ -164,27 +164,33 @@ def test_export_list_fit_paths_and_evaluate_with_listeners(sc, cluster, tmp_path
         def onEpochEnd(self, model):
             self.ended += 1
 
-    rounds = Rounds()
+    rounds, stats_listener = Rounds(), StatsListener(None)
     tm = ParameterAveragingTrainingMaster.Builder(32).batchSizePerWorker(32).averagingFrequency(3).build()
     spark_net = SparkDl4jMultiLayer(sc, new_net(), tm)
     stats_file = str(tmp_path / "stats.json")
-    spark_net.setListeners(FileStatsStorage(stats_file), [StatsListener(None), ScoreIterationListener(12),
+    spark_net.setListeners(FileStatsStorage(stats_file), [stats_listener, ScoreIterationListener(12),
                                                           PerformanceListener(1, True), rounds])
     with caplog.at_level(logging.INFO, logger="dlspark.compat"):
         for _ in range(2):
             spark_net.fitPaths(paths)
     net = spark_net.getNetwork()
-    assert rounds.ended == 2 and rounds.seen[-1][0] == net.iteration and rounds.seen[-1][1] == 1
-    assert [i for i, _, _ in rounds.seen] == sorted({i for i, _, _ in rounds.seen})  # one call per round, rising
-    assert all(np.isfinite(s) for _, _, s in rounds.seen)
+    # iterationDone once per iteration (each file is one minibatch), numbered as DL4J does: the
+    # network's count before the minibatch, from 0 up; every score that minibatch's finite loss
+    k = paths.count()
+    assert rounds.ended == 2 and len(rounds.seen) == 2 * k == net.iteration
+    assert [i for i, _, _ in rounds.seen] == list(range(2 * k))
+    assert [e for _, e, _ in rounds.seen] == [0] * k + [1] * k
+    assert all(np.isfinite(s) for _, _, s in rounds.seen) and len({s for _, _, s in rounds.seen}) > k
     scores = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Score at iteration")]
-    assert 2 <= len(scores) < len(rounds.seen)  # every 12 iterations, a round being 2 x 3
-    assert sum("samples/sec" in r.getMessage() and "score:" in r.getMessage() for r in caplog.records) == \
-        len(rounds.seen)
-    # the stats file opens with `dlspark stats`
+    assert scores[:2] == [f"Score at iteration {i} is {rounds.seen[i][2]}" for i in (0, 12)]
+    assert len(scores) == len(range(0, 2 * k, 12))
+    assert sum("samples/sec" in r.getMessage() and "score:" in r.getMessage() for r in caplog.records) == 2 * k
+    # the stats file opens with `dlspark stats`; the listener kept each round once
+    n_rounds = len(stats_listener.rounds)
+    assert sum(len(r["iterations"]) for r in stats_listener.rounds) == 2 * k and n_rounds < k
     result = CliRunner().invoke(main, ["stats", stats_file])
     assert result.exit_code == 0, result.output
-    assert str(len(rounds.seen)) in result.output
+    assert f"{n_rounds} rounds" in result.output
     # DL4J's doEvaluation(paths, loader, evaluations...) on the executors
     ev, reg = spark_net.doEvaluation(paths, load_minibatch, Evaluation(), dlspark.compat.RegressionEvaluation())
     assert ev.getNumRowCounter() == 1438 and ev.accuracy() > 0.6 and reg.num_columns() == 10  # chance: 0.1

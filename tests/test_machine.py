@@ -61,6 +61,10 @@ class Player:
                 self.rounds.append(i.msg)
                 survivors = {w: f for w, f in self.fitted[i.msg["round"]].items() if w in self.alive}
                 assert set(i.msg["worker_fit_time"]) == set(survivors)  # the machine counts the same workers
+                # one per-iteration row per minibatch the survivors trained, numbered on from the last round
+                first = self.rounds[-2]["trained_total"] if len(self.rounds) > 1 else 0
+                assert [r["fit_step"] for r in i.msg["iterations"]] == \
+                    list(range(first, first + sum(len(refs) for _, refs in survivors.values())))
                 self.counted += [(epoch, m) for epoch, refs in survivors.values() for m in refs]
             elif isinstance(i, (Finish, Fail, Abandon)):
                 self.end = i
@@ -80,7 +84,8 @@ class Player:
             else:
                 extra = {"bytes_sent": 10 * n, "dense_bytes": 100 * n, "threshold": 1e-3, "stale_wait": 0.0,
                          "debug": None}
-            return FitReply(loss_sum=0.5 * n, n=n, examples=8 * n, fit_time=0.1, extra=extra)
+            return FitReply(loss_sum=0.5 * n, n=n, examples=8 * n, fit_time=0.1, extra=extra,
+                            steps=tuple((0.5, 8) for _ in o.refs))
         if isinstance(o, AverageOrder):
             return AverageReply(contributors=o.contributors)
         if isinstance(o, HaveOrder):
@@ -249,7 +254,8 @@ def test_a_contributor_lost_after_its_answer_still_counts_as_a_new_attempt():
 # -- 4. a fetch failure from a live peer -----------------------------------------------------
 def unreachable_fit(peer, contributors):
     averaged = AverageReply(unreachable=(peer,), ok=False, contributors=contributors)
-    return FitReply(unreachable=(peer,), loss_sum=1.0, n=2, examples=16, extra={"averaged": averaged})
+    return FitReply(unreachable=(peer,), loss_sum=1.0, n=2, examples=16, extra={"averaged": averaged},
+                    steps=((0.5, 8), (0.5, 8)))
 
 
 def test_a_live_peer_named_unreachable_is_probed_and_the_round_re_driven_a_bounded_number_of_times():

@@ -100,6 +100,9 @@ def test_round_statistics_are_one_typed_record_with_the_clusters_keys(make_net, 
         assert set(s) == _keys(figures)
         assert all(isinstance(s[k], dict) for k in ("worker_fit_time", "worker_steps", "data_wait"))
     assert sum(sum(s.worker_steps.values()) for s in stats) == 10 == stats[-1].trained_total
+    rows = [r for s in stats for r in s.iterations]  # per-iteration rows, numbered through the fit
+    assert [r["fit_step"] for r in rows] == list(range(10)) and all(np.isfinite(r["loss"]) for r in rows)
+    assert sum(r["examples"] for r in rows) == 320 and {r["worker"] for r in rows} == {0, 1}
     if figures is SharingFigures:
         assert set(stats[0].threshold) == {0, 1}
 

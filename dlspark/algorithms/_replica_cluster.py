@@ -70,11 +70,11 @@ class ReplicaRun(WorkerRun):
         wait0 = self.prefetch.wait_time
         start = jax.tree_util.tree_map(jnp.copy, self.state.params)  # kept: the steps donate the state
         state = self.state.replace(epoch=jnp.asarray(epoch, jnp.int32))
-        base_step, losses, examples = int(state.step), [], 0
+        base_step, losses, sizes = int(state.step), [], []
         for n, batch in self.batches(refs):
             state, loss, ok = steps.train_step(state, batch)
             losses.append((loss, ok))
-            examples += n
+            sizes.append(n)
         self.state = state
         losses = jax.device_get(losses)
         for i, (x, ok) in enumerate(losses):
@@ -84,7 +84,8 @@ class ReplicaRun(WorkerRun):
         self.rounds[round] = (start, carry)
         self.contributions[round] = [np.asarray(x) for x in jax.tree_util.tree_leaves(contribution)]
         kept = [float(x) for x, ok in losses if ok]
-        return {"loss_sum": float(sum(kept)), "n": len(kept), "examples": examples,
+        return {"loss_sum": float(sum(kept)), "n": len(kept), "examples": sum(sizes),
+                "steps": tuple((float(x), n) for (x, _), n in zip(losses, sizes)),
                 "fit_time": time.perf_counter() - t0, "data_wait": self.prefetch.wait_time - wait0}
 
     def _take_mean(self, round, contributions):

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._mesh import FitOutcome, by_device, first, lead, replica_rngs
 from ..distributed._plan import Coordinator
-from ..stats._record import RoundStats
+from ..stats._record import RoundStats, iteration_rows
 from ._replica_common import ReplicaFigures
 
 __all__ = ["ReplicaDeviceRun"]
@@ -69,12 +69,13 @@ class ReplicaDeviceRun:
             epoch = np.int32(base_epoch + plan.epoch)
             # the round's start, kept (the steps donate the state they are given)
             starts = [jax.tree_util.tree_map(jnp.copy, s.params) for s in states]
-            losses, examples = {r: [] for r in ranks}, 0
+            losses, examples, sizes = {r: [] for r in ranks}, 0, {r: [] for r in ranks}
             for r in ranks:
                 st = states[r].replace(epoch=jax.device_put(epoch, ex.devices[r]))
                 for i in plan.assignment.get(r) or ():
                     ds = rt.load(refs[i])
                     examples += len(ds)
+                    sizes[r].append(len(ds))
                     st, loss, ok = step(st, jax.device_put(ds.jit_batch(), ex.devices[r]))
                     losses[r].append((loss, ok))
                 states[r] = st
@@ -104,6 +105,9 @@ class ReplicaDeviceRun:
                 worker_fit_time={r: t_fit for r in plan.contributors},
                 worker_steps={r: len(kept[r]) for r in plan.contributors},
                 data_wait={r: 0.0 for r in plan.contributors}, trained_total=planner.trained_total, attempts=0,
+                iterations=iteration_rows(done_before, plan.epoch, {
+                    r: [(float(x), n) for (x, _), n in zip(losses[r], sizes[r])] for r in ranks if losses[r]},
+                    {r: t_fit for r in ranks}),
                 extra=ReplicaFigures(bytes_received=self._bytes(contributed)))
             stats.append(stat)
             rt.report(stat)

@@ -43,7 +43,7 @@ import functools
 from dataclasses import dataclass, field
 
 from ..errors import JobFailedError
-from ..stats._record import RoundStats
+from ..stats._record import RoundStats, iteration_rows
 from ._events import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish, GraceOver, Join, Joined,
                       JoinFailed, Probe, Probed, Replied, Send, Start, StateMachineEvent, Timer, WorkerJoined,
                       WorkerLost)
@@ -401,6 +401,7 @@ class JobMachine:
     def _round_done(self, done: RoundDone):
         contributors = [w for w in done.contributors if w in self.live]
         fits = {w: r for w, r in self.driver.fits.items() if w in contributors and isinstance(r, FitReply)}
+        before = self.planner.trained_total
         counted = self.planner.complete_round(self.plan, contributors)
         n = sum(f.n for f in fits.values())
         stat = RoundStats.build(
@@ -412,7 +413,9 @@ class JobMachine:
             worker_steps={w: f.n for w, f in fits.items()},
             data_wait={w: f.data_wait for w, f in fits.items()},
             trained_total=self.planner.trained_total, attempts=self.attempt,
-            extra=self.driver.round_stats())
+            extra=self.driver.round_stats(),
+            iterations=iteration_rows(before, self.plan.epoch, {w: f.steps for w, f in fits.items()},
+                                      {w: f.fit_time for w, f in fits.items()}))
         self.stats.append(stat)
         out = [Emit(stat)]
         every = self.options.checkpoint_every

@@ -91,6 +91,9 @@ class FitReply(Reply):
     data_wait: float = 0.0
     #: the algorithm's figures for the round's statistics
     extra: dict = field(default_factory=dict)
+    #: each minibatch's ``(loss, examples)`` in the order trained (non-finite ones included):
+    #: the round's per-iteration rows (``dlspark.stats._record.iteration_rows``)
+    steps: tuple = ()
 
 
 @dataclass(frozen=True)

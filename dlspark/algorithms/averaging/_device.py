@@ -25,7 +25,7 @@ import numpy as np
 from ..._mesh import FitOutcome, by_device, first, lead, replica_rngs
 from ...distributed._plan import Coordinator
 from ...network import one_shape
-from ...stats._record import RoundStats
+from ...stats._record import RoundStats, iteration_rows
 from ._messages import AveragingFigures
 from ._numerics import is_averaged, outer_step, start_round
 
@@ -237,8 +237,12 @@ class AveragingDeviceRun:
                 if not ok:  # "raise": the network keeps its state from before the fit, as with the cluster
                     net.nonfinite(base_step + done_before + j, x)
             kept = [[float(x) for x, ok in zip(row_l, row_o) if ok] for row_l, row_o in zip(rows, okrows)]
+            per = item["examples"] // max(1, len(flat))  # the round's examples, shared among its minibatches
+            steps = {r: [(float(x), per) for x in row_l] for r, row_l in enumerate(rows) if len(row_l)}
             stat = self._round_stats(item, kept, time.perf_counter() - last[0], time.perf_counter() - t_call,
                                      rounds.wait - last[1], sizes)
+            stat["iterations"] = iteration_rows(done_before, item["plan"].epoch, steps,
+                                                {r: stat["fit_time_max"] for r in steps})
             last[:] = [time.perf_counter(), rounds.wait]
             stats.append(stat)
             self.rt.report(stat)

@@ -175,8 +175,9 @@ class AveragingRun(WorkerRun):
         for i, ok in enumerate(oks):
             if not ok:
                 self.net.nonfinite(base_step + i, float(losses[i]))
+        steps = tuple((float(x), n) for x, (n, _) in zip(losses, staged))
         losses = [float(x) for x, ok in zip(losses, oks) if ok]
-        return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": n_examples,
+        return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": n_examples, "steps": steps,
                 "fit_time": time.perf_counter() - t0, "data_wait": self.prefetch.wait_time - wait0}
 
     def _contribution(self, round, contributors):

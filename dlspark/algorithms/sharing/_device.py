@@ -26,7 +26,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..._mesh import FitOutcome, replica_rngs
-from ...stats._record import RoundStats
+from ...stats._record import RoundStats, iteration_rows
 from ._encoding import EMPTY, decode_into, encode_scratch
 from ._messages import SharingFigures
 from ._state import SumVectors, add_pieces, encode_step, sharing_functions
@@ -330,6 +330,9 @@ class _Row:
             fit_time_max=self.fit_time, worker_fit_time={r: self.fit_time for r in workers},
             worker_steps={r: len(self.losses[r]) for r in workers}, data_wait={r: 0.0 for r in workers},
             trained_total=trained, attempts=0,
+            iterations=iteration_rows(trained - len(flat), epoch,
+                                      {r: [(x, self.examples // len(flat)) for x in self.losses[r]] for r in workers},
+                                      {r: self.fit_time for r in workers}),
             extra=SharingFigures(bytes_sent=self.bytes_sent, dense_bytes=self.dense_bytes,
                                  threshold=dict(self.thresholds),
                                  sparsity=float(np.mean(self.sparsities)) if self.sparsities else None))

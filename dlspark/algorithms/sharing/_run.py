@@ -61,6 +61,7 @@ class SharingRun(WorkerRun):
             t0 = time.perf_counter()
             out = s.fit(self.batches(refs), peers, send)
             return FitReply(loss_sum=out.pop("loss_sum"), n=out.pop("n"), examples=out.pop("examples"),
+                            steps=out.pop("steps"),
                             fit_time=time.perf_counter() - t0, data_wait=self.prefetch.wait_time - wait0,
                             extra={**out, "relayed": s.relayed})
 

@@ -285,7 +285,7 @@ class SharingState:
         """Run the steps of one round over ``batches`` (``(examples, device batch)`` pairs);
         ``send(step, message)`` ships a message to the peers."""
         job = self.job
-        losses, stats, nbytes, examples, sparsities = [], [], 0, 0, []
+        losses, stats, nbytes, examples, sparsities, steps = [], [], 0, 0, [], []
         stale_wait = 0.0
         state = job.state if self.device is None else jax.device_put(job.state, self.device)
         rec = job.stats
@@ -301,6 +301,7 @@ class SharingState:
                 # was written over: the job ends), or skip the minibatch.
                 job.state = state.replace(opt_state=opt)
                 job.net.nonfinite(int(state.step), float(loss))
+                steps.append((loss, n_examples))
                 state = state.replace(rng=rng)  # as in train_step: no replay of the same dropout mask
                 # a skipped step still counts: an EMPTY note, so that peers do not wait for it
                 self.step += 1
@@ -340,10 +341,12 @@ class SharingState:
                               "update_to_threshold": float(sum(np.abs(np.asarray(p)).sum(dtype=np.float64)
                                                                for p in pieces) / self.n / t)})
             losses.append(loss)
+            steps.append((loss, n_examples))
             examples += n_examples
         job.state = state
         losses = [float(x) for x in losses]
         return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": examples, "last_step": self.step,
+                "steps": tuple((float(x), n) for x, n in steps),
                 "bytes_sent": nbytes, "dense_bytes": 4 * self.n * len(peers) * len(losses),
                 "threshold": float(self.tstate.threshold), "stale_wait": stale_wait, "debug": stats,
                 "sparsity": float(np.mean(sparsities)) if sparsities else None}
