@@ -35,6 +35,13 @@ from ._networks import SparkComputationGraph, SparkDl4jMultiLayer, SparkTraining
 from ._listeners import (BaseTrainingListener, CheckpointListener, FileStatsStorage, PerformanceListener,
                          ScoreIterationListener, StatsListener, StatsStorageRouter, TrainingListener)
 from ._util import BatchAndExportDataSetsFunction, DataSetExportFunction, ModelSerializer, SparkUtils, StatsUtils
+from ._earlystopping import (BestScoreEpochTerminationCondition, DataSetLossCalculator, EarlyStoppingConfiguration,
+                             EarlyStoppingListener, EarlyStoppingResult, InMemoryModelSaver,
+                             InvalidScoreIterationTerminationCondition, LocalFileModelSaver,
+                             MaxEpochsTerminationCondition, MaxScoreIterationTerminationCondition,
+                             MaxTimeIterationTerminationCondition, ScoreImprovementEpochTerminationCondition,
+                             SparkDataSetLossCalculator, SparkEarlyStoppingGraphTrainer, SparkEarlyStoppingTrainer,
+                             SparkLossCalculatorComputationGraph, TerminationReason, TimeUnit)
 
 __all__ = [
     "configure",
@@ -77,4 +84,22 @@ __all__ = [
     "StatsStorageRouter",
     "FileStatsStorage",
     "CheckpointListener",
+    "SparkEarlyStoppingTrainer",
+    "SparkEarlyStoppingGraphTrainer",
+    "EarlyStoppingConfiguration",
+    "EarlyStoppingResult",
+    "EarlyStoppingListener",
+    "TerminationReason",
+    "MaxEpochsTerminationCondition",
+    "ScoreImprovementEpochTerminationCondition",
+    "BestScoreEpochTerminationCondition",
+    "MaxTimeIterationTerminationCondition",
+    "MaxScoreIterationTerminationCondition",
+    "InvalidScoreIterationTerminationCondition",
+    "TimeUnit",
+    "InMemoryModelSaver",
+    "LocalFileModelSaver",
+    "DataSetLossCalculator",
+    "SparkDataSetLossCalculator",
+    "SparkLossCalculatorComputationGraph",
 ]

@@ -384,3 +384,129 @@ def test_checkpoint_listener_saves_every_epoch_and_every_n_iterations(sc, cluste
     assert os.path.exists(listener.latest_url)  # the core's in-fit checkpoint, every 2 rounds of 2 x 2 minibatches
     with pytest.raises(ValueError, match="needs saveEveryEpoch"):
         CheckpointListener.Builder(root).build()
+
+
+# -- early stopping --------------------------------------------------------------------------------
+def test_early_stopping_conditions_and_configuration_follow_dl4j():
+    from dlspark.compat import (BestScoreEpochTerminationCondition, EarlyStoppingConfiguration,
+                                InvalidScoreIterationTerminationCondition, MaxEpochsTerminationCondition,
+                                MaxScoreIterationTerminationCondition, MaxTimeIterationTerminationCondition,
+                                ScoreImprovementEpochTerminationCondition, TimeUnit)
+
+    assert [MaxEpochsTerminationCondition(3).terminate(e, 0.0) for e in range(3)] == [False, False, True]
+    c = ScoreImprovementEpochTerminationCondition(2, 0.05)
+    # 0.97 improves on 1.0 by less than 0.05: no improvement; 0.8 does; two epochs after it, stop
+    assert [c.terminate(e, s) for e, s in enumerate([1.0, 0.97, 0.8, 0.79, 0.9])] == [False, False, False, False,
+                                                                                       True]
+    c.initialize()  # a new fit starts afresh
+    assert not c.terminate(0, 5.0) and not c.terminate(1, 6.0)
+    up = ScoreImprovementEpochTerminationCondition(1)
+    assert [up.terminate(e, s, False) for e, s in enumerate([0.5, 0.6, 0.6])] == [False, False, True]  # maximized
+    assert BestScoreEpochTerminationCondition(0.1).terminate(0, 0.05)
+    assert not BestScoreEpochTerminationCondition(0.9, False).terminate(0, 0.8)
+    assert MaxScoreIterationTerminationCondition(2.0).terminate(float("nan"))
+    assert not MaxScoreIterationTerminationCondition(2.0).terminate(1.5)
+    assert InvalidScoreIterationTerminationCondition().terminate(float("inf"))
+    timed = MaxTimeIterationTerminationCondition(2, TimeUnit.MINUTES)
+    assert timed.max_seconds == 120 and not timed.terminate(1.0)
+    assert MaxTimeIterationTerminationCondition(1, "milliseconds").max_seconds == pytest.approx(1e-3)
+    assert str(MaxEpochsTerminationCondition(7)) == "MaxEpochsTerminationCondition(7)"
+    with pytest.raises(ValueError, match="timeUnit must be one of TimeUnit.NANOSECONDS.*got 'fortnights'"):
+        MaxTimeIterationTerminationCondition(1, "fortnights")
+    with pytest.raises(ValueError, match="maxEpochs must be an integer >= 1, got 0"):
+        MaxEpochsTerminationCondition(0)
+    with pytest.raises(ValueError, match="needs a termination condition before build"):
+        EarlyStoppingConfiguration.Builder().build()
+    with pytest.raises(TypeError, match="epochTerminationConditions takes epoch conditions.*got "
+                                        "MaxTimeIterationTerminationCondition"):
+        EarlyStoppingConfiguration.Builder().epochTerminationConditions(timed)
+    with pytest.raises(AttributeError, match="closest known: evaluateEveryNEpochs"):
+        EarlyStoppingConfiguration.Builder().evaluateEveryNEpoch(2)
+    conf = EarlyStoppingConfiguration.Builder().iterationTerminationConditions(timed).build()
+    assert conf.getEvaluateEveryNEpochs() == 1 and not conf.isSaveLastModel()
+    assert type(conf.getModelSaver()).__name__ == "InMemoryModelSaver"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # eight one-epoch fits; compilation under load takes minutes
+def test_spark_early_stopping_trainer_stops_and_keeps_the_best_model(sc, cluster, tmp_path):
+    from conftest import tree_equal
+
+    from dlspark.compat import (EarlyStoppingConfiguration, EarlyStoppingListener, InMemoryModelSaver,
+                                LocalFileModelSaver, MaxEpochsTerminationCondition,
+                                MaxScoreIterationTerminationCondition, ParameterAveragingTrainingMaster,
+                                ScoreImprovementEpochTerminationCondition, SparkDataSetLossCalculator,
+                                SparkEarlyStoppingTrainer, TerminationReason)
+
+    train = digits_rdd(sc, "test")  # 360 examples: 12 minibatches an epoch
+    held_out = digits_rdd(sc, "train", per_dataset=256, n_parts=2)
+    tm = ParameterAveragingTrainingMaster.Builder(32).batchSizePerWorker(32).averagingFrequency(2).build()
+
+    class Epochs(EarlyStoppingListener):
+        def __init__(self):
+            self.seen, self.done = {}, None
+
+        def onEpoch(self, epochNum, score, esConfig, net):
+            self.seen[epochNum] = (score, net.state.params)
+
+        def onCompletion(self, esResult):
+            self.done = esResult
+
+    # max epochs, scored on the executors: three epochs, the best of them kept
+    net, epochs = new_net(), Epochs()
+    conf = (EarlyStoppingConfiguration.Builder()
+            .epochTerminationConditions(MaxEpochsTerminationCondition(3), ScoreImprovementEpochTerminationCondition(5))
+            .scoreCalculator(SparkDataSetLossCalculator(held_out, True, sc)).modelSaver(InMemoryModelSaver()).build())
+    trainer = SparkEarlyStoppingTrainer(sc, tm, conf, net, train)
+    trainer.setListener(epochs)
+    result = trainer.fit()
+    assert result is epochs.done and result.getTerminationReason() is TerminationReason.EpochTerminationCondition
+    assert result.getTerminationDetails() == "MaxEpochsTerminationCondition(3)" and result.getTotalEpochs() == 3
+    scores = result.getScoreVsEpoch()
+    assert sorted(scores) == [0, 1, 2] and scores == {e: s for e, (s, _) in epochs.seen.items()}
+    assert scores[2] < scores[0]  # it learns
+    best = min(scores, key=scores.get)
+    assert result.getBestModelEpoch() == best and result.getBestModelScore() == scores[best]
+    assert tree_equal(result.getBestModel().state.params, epochs.seen[best][1])
+    assert net.iteration == 3 * train.count()
+
+    # no improvement for two epochs after the best: the scores a calculator gives decide
+    class Scripted:
+        def __init__(self, scores):
+            self.scores = list(scores)
+
+        def calculateScore(self, network):
+            return self.scores.pop(0)
+
+        def minimizeScore(self):
+            return True
+
+    net, epochs, saved = new_net(), Epochs(), str(tmp_path / "es")
+    conf = (EarlyStoppingConfiguration.Builder()
+            .epochTerminationConditions(MaxEpochsTerminationCondition(10), ScoreImprovementEpochTerminationCondition(2))
+            .scoreCalculator(Scripted([1.0, 0.5, 0.6, 0.7, 0.1])).modelSaver(LocalFileModelSaver(saved))
+            .saveLastModel(True).build())
+    trainer = SparkEarlyStoppingTrainer(sc, tm, conf, net, train)
+    trainer.setListener(epochs)
+    result = trainer.fit()
+    assert result.getTerminationReason() is TerminationReason.EpochTerminationCondition
+    assert result.getTerminationDetails().startswith("ScoreImprovementEpochTerminationCondition(maxEpochsWithNo"
+                                                     "Improvement=2")
+    assert result.getTotalEpochs() == 4 and result.getBestModelEpoch() == 1 and result.getBestModelScore() == 0.5
+    assert result.getScoreVsEpoch() == {0: 1.0, 1: 0.5, 2: 0.6, 3: 0.7}
+    restored = result.getBestModel()  # epoch 1's parameters, read back from bestModel.bin
+    assert tree_equal(restored.state.params, epochs.seen[1][1]) and not tree_equal(restored.state.params,
+                                                                                    net.state.params)
+    assert tree_equal(conf.getModelSaver().getLatestModel().state.params, net.state.params)
+    elsewhere = LocalFileModelSaver(saved)  # another process reading the directory: it says what it needs
+    with pytest.raises(ValueError, match="saved no network in this process.*getBestModel\\(network=net\\)"):
+        elsewhere.getBestModel()
+    assert tree_equal(elsewhere.getBestModel(network=new_net()).state.params, epochs.seen[1][1])
+
+    # an iteration condition: every minibatch's loss is above 0, so the first epoch is the last
+    conf = (EarlyStoppingConfiguration.Builder().iterationTerminationConditions(MaxScoreIterationTerminationCondition(0.0))
+            .epochTerminationConditions(MaxEpochsTerminationCondition(5)).build())
+    result = SparkEarlyStoppingTrainer(sc, tm, conf, new_net(), train).fit()
+    assert result.getTerminationReason() is TerminationReason.IterationTerminationCondition
+    assert result.getTerminationDetails() == "MaxScoreIterationTerminationCondition(0.0)"
+    assert result.getTotalEpochs() == 1 and result.getBestModelEpoch() == -1 and result.getBestModel() is None
