@@ -29,7 +29,8 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
 
 def _simulate(make_net, batches, workers, freq, save_updater):
     """Parameter averaging by hand, in one process: the oracle for the distributed run
-    (worker 0's state; integer leaves, such as step counts, stay each worker's own)."""
+    (worker 0's state; integer leaves, such as step counts, stay each worker's own, and so does
+    the updater's state without ``save_updater``: each worker resets it at a round's start)."""
     nets = [make_net() for _ in range(workers)]
     ref = nets[0]
     starts = [ref.state] * workers
@@ -53,6 +54,8 @@ def _simulate(make_net, batches, workers, freq, save_updater):
             return own
 
         starts = [jax.tree_util.tree_map(mean, st, *fitted) for st, _ in states]
+        if not save_updater:
+            starts = [m.replace(opt_state=st.opt_state) for m, (st, _) in zip(starts, states)]
     return starts[0]
 
 
@@ -99,12 +102,19 @@ def test_adam_updater_state_is_averaged_or_reset(client2, make_net, digits, save
     batches = tr[:576].batches(32)  # 18 minibatches: 3 rounds of 2 workers x 3
     net = make_net(updater=optax.adam(1e-2))
     master = ParameterAveraging(averaging_frequency=3, save_updater=save_updater, training_approach="direct")
-    DistributedTrainer(client2, net, master, progress=False).fit(batches)
+    trainer = DistributedTrainer(client2, net, master, progress=False)
+    trainer.fit(batches)
     expected = _simulate(lambda: make_net(updater=optax.adam(1e-2)), batches, 2, 3, save_updater)
     _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
     _close(net.state.opt_state, expected.opt_state, rtol=1e-4, atol=1e-6)
     count = int(jax.tree_util.tree_leaves(net.state.opt_state)[0])
     assert count == (3 if not save_updater else 9)
+    # each of the 2 workers receives its peer's contribution a round: the floating-point
+    # parameters, and the updater's moments only when they are averaged (Adam: twice as many)
+    floats = [x.nbytes for x in jax.tree_util.tree_leaves(net.state) if np.issubdtype(x.dtype, np.floating)]
+    params = sum(x.nbytes for x in jax.tree_util.tree_leaves(net.state.params))
+    carried = sum(floats) if save_updater else params
+    assert [s["bytes_received"] for s in trainer.last_fit_stats] == [2 * carried] * 3
 
 
 def _with_bad_minibatches(tr, kind):

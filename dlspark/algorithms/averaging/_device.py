@@ -27,7 +27,7 @@ from ...distributed._plan import Coordinator
 from ...network import one_shape
 from ...stats._record import RoundStats, iteration_rows
 from ._messages import AveragingFigures
-from ._numerics import is_averaged, outer_step, start_round
+from ._numerics import averaged_indices, averaged_part, outer_step, start_round
 
 __all__ = ["AveragingDeviceRun"]
 
@@ -150,7 +150,8 @@ def _round_function(net, master, exchange, fit: bool):
         else:
             start = first(start)
         # in a fitting call every replica has minibatches: all of them contribute
-        st = exchange.mean(st, None if fit else contributes[0], n)
+        # without save_updater each replica keeps its own updater state (reset next round)
+        st = _mean(exchange, st, master.save_updater, None if fit else contributes[0], n)
         if tx is not None:
             params, ost = outer_step(tx, start, st.params, ost)
             st = st.replace(params=params)
@@ -158,6 +159,12 @@ def _round_function(net, master, exchange, fit: bool):
 
     # an averaging-only call's state shares buffers with its round-start parameters: no donation
     return exchange.spmd(local, replicated=(4, 6), donate=(0, 1) if fit else ())
+
+
+def _mean(exchange, state, save_updater, contributes, n):
+    """The round's mean of what a cluster's contributions carry (see ``averaged_part``)."""
+    mean = exchange.mean(averaged_part(state, save_updater), contributes, n)
+    return mean if save_updater else mean.replace(opt_state=state.opt_state)
 
 
 def _step_function(net, master, exchange, first_step: bool, donate: bool):
@@ -223,7 +230,8 @@ class AveragingDeviceRun:
         depth = master.worker_prefetch_num_batches and max(master.worker_prefetch_num_batches, k)
         rounds = _Rounds(self.rt, refs, partitions, epochs, skip, math.ceil(depth / k))
         leaves = jax.tree_util.tree_leaves(net.state)
-        sizes = (sum(x.nbytes for x in leaves), sum(x.nbytes for x in leaves if is_averaged(x)))
+        mixed = sum(leaves[i].nbytes for i in averaged_indices(net.state, master.save_updater))
+        sizes = (mixed, mixed)  # a cluster's contribution carries the averaged leaves only
         stats, pending, last = [], None, [time.perf_counter(), 0.0]
 
         def settle(p):

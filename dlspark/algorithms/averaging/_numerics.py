@@ -12,13 +12,29 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["average_leaves", "average_on_device", "is_averaged", "start_round", "share_bounds", "share_pieces",
+__all__ = ["average_leaves", "average_on_device", "is_averaged", "averaged_indices", "averaged_part", "start_round", "share_bounds", "share_pieces",
            "take_share", "average_share", "assemble", "outer_step", "outer_state_from_arrays"]
 
 
 def is_averaged(a) -> bool:
     """Floating-point leaves are averaged; integer leaves (step counts, RNG keys) are not."""
     return bool(jnp.issubdtype(a.dtype, jnp.floating)) if hasattr(a, "dtype") else is_averaged(np.asarray(a))
+
+
+def averaged_indices(state, save_updater: bool) -> list:
+    """Positions, among ``state``'s leaves, of those a round's mean takes: the floating-point
+    leaves, less the updater's state without ``save_updater`` (each replica resets it at the
+    next round's start, so its mean would be thrown away: under Adam it is two thirds of
+    what a round would move)."""
+    flags = jax.tree_util.tree_map(is_averaged, state)
+    if not save_updater:
+        flags = flags.replace(opt_state=jax.tree_util.tree_map(lambda _: False, state.opt_state))
+    return [i for i, f in enumerate(jax.tree_util.tree_leaves(flags)) if f]
+
+
+def averaged_part(state, save_updater: bool):
+    """The part of ``state`` a round's mean takes, as a tree (see :func:`averaged_indices`)."""
+    return state if save_updater else state.replace(opt_state=None)
 
 
 def _mean_of(parts, dtype):

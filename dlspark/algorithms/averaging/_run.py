@@ -25,7 +25,7 @@ from ...distributed._run import WorkerRun
 from ...distributed._messages import FitReply, Unavailable
 from ...network import one_shape
 from ._messages import AverageOrder, AverageReply, Contribution, Share, SharedContribution
-from ._numerics import (assemble, average_on_device, average_share, is_averaged, outer_step, share_bounds,
+from ._numerics import (assemble, average_on_device, average_share, averaged_indices, outer_step, share_bounds,
                         share_pieces, start_round, take_share)
 
 __all__ = ["AveragingRun"]
@@ -56,6 +56,8 @@ class AveragingRun(WorkerRun):
         # round -> {(contributors, attempt): [Event, ("OK", averaged share) | ("lost", peer)]}
         self.shares: dict = {}
         self.ready: dict = {}
+        # the leaves a round's mean takes, and so the only ones a contribution carries
+        self.mixed = averaged_indices(self.state, self.master.save_updater)
         tx = self.master.outer_updater
         self.outer = None if tx is None else _outer_function(self.net, tx)
         carried = spec.algorithm_state.get("outer_state")
@@ -181,12 +183,14 @@ class AveragingRun(WorkerRun):
                 "fit_time": time.perf_counter() - t0, "data_wait": self.prefetch.wait_time - wait0}
 
     def _contribution(self, round, contributors):
-        """This replica's leaves after its fit: ``(on the device, on the host)``. The device
-        leaves enter its own average without a copy; the host ones are served to peers
-        (views of the same memory on a CPU device). With two contributors on one host the
-        host leaves are also copied into this worker's shared memory, for the peer to read."""
+        """This replica's averaged leaves (``self.mixed``) after its fit: ``(on the device, on
+        the host)``. The device leaves enter its own average without a copy; the host ones are
+        served to peers (views of the same memory on a CPU device). With two contributors on
+        one host the host leaves are also copied into this worker's shared memory, for the
+        peer to read."""
         self.peer_views.prune(round)  # the files of peers gone a few rounds ago
-        leaves = jax.tree_util.tree_leaves(self.state)
+        every = jax.tree_util.tree_leaves(self.state)
+        leaves = [every[i] for i in self.mixed]
         host = [np.asarray(x) for x in leaves]
         if (self.slots is not None and len(contributors) == 2 and self.address in contributors
                 and all(_shared.same_host(a, self.address) for a in contributors)):
@@ -196,8 +200,14 @@ class AveragingRun(WorkerRun):
         return leaves, host
 
     def _average_into_state(self, contributions):
-        own = jax.tree_util.tree_leaves(self.state)  # its integer leaves are kept
-        self.state = jax.tree_util.tree_unflatten(self.treedef, average_on_device(own, contributions))
+        leaves = jax.tree_util.tree_leaves(self.state)  # the others (integers, a reset updater) are kept
+        for i, x in zip(self.mixed, average_on_device([leaves[i] for i in self.mixed], contributions)):
+            leaves[i] = x
+        self.state = jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _set_mixed(self, values):
+        """The averaged leaves (``self.mixed``) set to ``values``, the others kept."""
+        self._set_floats(self.mixed, None, values)
 
     def _own_contribution(self, round):
         """Its device leaves until its first average of the round, the host ones after
@@ -206,9 +216,11 @@ class AveragingRun(WorkerRun):
         return device if device is not None else host
 
     def _set_floats(self, floats, pieces, values):
-        """Replace the floating-point leaves ``floats`` by those ``pieces`` of ``values`` assemble."""
+        """Replace the floating-point leaves ``floats`` by those ``pieces`` of ``values`` assemble
+        (``pieces=None``: by ``values``, one whole leaf each)."""
         leaves = jax.tree_util.tree_leaves(self.state)
-        for i, x in zip(floats, assemble([leaves[i] for i in floats], pieces, values)):
+        new = values if pieces is None else assemble([leaves[i] for i in floats], pieces, values)
+        for i, x in zip(floats, new, strict=True):
             leaves[i] = x
         self.state = jax.tree_util.tree_unflatten(self.treedef, jax.device_put(leaves))
 
@@ -307,7 +319,7 @@ class AveragingRun(WorkerRun):
         done = AverageReply(avg_time=0.0, fetch_time=0.0, bytes_received=0, contributors=tuple(contributors))
         if contributors == [self.address] and self.contributions.get(round) is not None:
             # Sole contributor: the mean is its own state after its fit.
-            await self.compute(self._then_outer, round, self.set_leaves, self._own_contribution(round))
+            await self.compute(self._then_outer, round, self._set_mixed, self._own_contribution(round))
             self.stats.mark("average")
             return replace(done, avg_time=time.perf_counter() - t0)
         if not contributors and round in self.untouched:
@@ -381,8 +393,8 @@ class AveragingRun(WorkerRun):
         replica averages its own share, if it is a contributor, then fetches the others'."""
         me = self.address
         n = len(contributors)
-        leaves = jax.tree_util.tree_leaves(self.state)  # shapes and dtypes; its integer leaves are kept
-        floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
+        leaves = jax.tree_util.tree_leaves(self.state)  # shapes and dtypes; the others are kept
+        floats = self.mixed
         sizes = [leaves[i].size for i in floats]
         slot = self.shares.setdefault(round, {}).setdefault((tuple(contributors), attempt), [asyncio.Event(), None])
         nbytes = 0
@@ -393,8 +405,7 @@ class AveragingRun(WorkerRun):
                 parts = []
                 for addr in contributors:
                     if addr == me:
-                        host = self.contributions[round][1]
-                        parts.append(take_share([host[i] for i in floats], pieces))
+                        parts.append(take_share(self.contributions[round][1], pieces))
                         continue
                     resp = await self._ask(addr, "contribution", round=round, share=list(bounds))
                     if not isinstance(resp, Contribution):
@@ -435,8 +446,8 @@ class AveragingRun(WorkerRun):
 
     # -- requests from peers ----------------------------------------------------------
     async def peer_contribution(self, round: int, share: list | None = None, shared: bool = False):
-        """This replica's leaves after its fit in ``round``; with ``share=[lo, hi]``, only
-        that flat range of its floating-point elements (see ``share_pieces``). A co-located
+        """This replica's averaged leaves after its fit in ``round``; with ``share=[lo, hi]``,
+        only that flat range of their elements (see ``share_pieces``). A co-located
         peer that can read shared memory (``shared``) is told where they lie in it instead."""
         ev = self.ready.setdefault(round, asyncio.Event())
         await asyncio.wait_for(ev.wait(), timeout=self.peer_timeout())
@@ -449,10 +460,9 @@ class AveragingRun(WorkerRun):
             if round not in self.offered:  # an offered contribution was counted when offered
                 self.stats.add("serve", t0, self.stats.now(), "comms", bytes=where.nbytes, shared=where.nbytes)
             return {"reply": to_serialize(SharedContribution(where=where))}
-        leaves = contribution[1]
+        leaves = contribution[1]  # the averaged leaves only
         if share is not None:
-            floats = [x for x in leaves if is_averaged(x)]
-            leaves = take_share(floats, share_pieces([x.size for x in floats], *share))
+            leaves = take_share(leaves, share_pieces([x.size for x in leaves], *share))
         self.stats.add("serve", t0, self.stats.now(), "comms", bytes=sum(np.asarray(x).nbytes for x in leaves))
         return {"reply": to_serialize(Contribution(leaves=list(leaves)))}
 
