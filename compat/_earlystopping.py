@@ -509,6 +509,8 @@ class SparkEarlyStoppingTrainer:
         Trained in place: after :meth:`fit` it holds the last epoch's parameters.
     train : RDD of DataSets
         (or anything :meth:`SparkDl4jMultiLayer.fit` takes); one epoch is one ``fit`` of it.
+    rnnDataFormat : RNNFormat or str, default "NCW"
+        The layout of 3-D data, as :class:`SparkDl4jMultiLayer` takes it.
 
     Examples
     --------
@@ -521,19 +523,19 @@ class SparkEarlyStoppingTrainer:
     >>> best = result.getBestModel()  # doctest: +SKIP
     """
 
-    def _spark_network(self, sc, net, master):
+    def _spark_network(self, sc, net, master, rnn_format):
         from ._networks import SparkDl4jMultiLayer
 
-        return SparkDl4jMultiLayer(sc, net, master)
+        return SparkDl4jMultiLayer(sc, net, master, rnn_format)
 
-    def __init__(self, sc, trainingMaster, esConfig, net, train):
+    def __init__(self, sc, trainingMaster, esConfig, net, train, rnnDataFormat="NCW"):
         if not isinstance(esConfig, EarlyStoppingConfiguration):
             raise TypeError(f"esConfig must be EarlyStoppingConfiguration.Builder()...build(), got "
                             f"{type(esConfig).__name__}")
         if not isinstance(net, Network):
             raise TypeError(f"net must be a dlspark.Network, got {type(net).__name__}")
         self.config, self.network, self.train = esConfig, net, train
-        self.spark_net = self._spark_network(sc, net, trainingMaster)
+        self.spark_net = self._spark_network(sc, net, trainingMaster, rnnDataFormat)
         self.listener = None
 
     def setListener(self, listener) -> None:
@@ -606,7 +608,7 @@ class SparkEarlyStoppingGraphTrainer(SparkEarlyStoppingTrainer):
     """DL4J's ``SparkEarlyStoppingGraphTrainer(sc, trainingMaster, esConfig, graph, train)``: the
     same over :class:`~dlspark.compat.SparkComputationGraph` (an RDD of MultiDataSets)."""
 
-    def _spark_network(self, sc, net, master):
+    def _spark_network(self, sc, net, master, rnn_format):
         from ._networks import SparkComputationGraph
 
-        return SparkComputationGraph(sc, net, master)
+        return SparkComputationGraph(sc, net, master, rnn_format)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from dlspark import DistributedTrainer, Network
-from dlspark.data import SourceContext, fit_minibatches, list_minibatches
+from dlspark.data import DataSet, MultiDataSet, SourceContext, fit_minibatches, list_minibatches
 from dlspark import spark as _spark
 
 from ._cluster import dask_client, progress_enabled
@@ -23,6 +23,7 @@ from ._evaluation import Evaluation, RegressionEvaluation, ROC, ROCMultiClass
 from ._masters import TrainingMaster, spark_storage_level
 from ._conf import RDDTrainingApproach
 from ._names import with_snake_aliases
+from ._rnn import DatasetsToNWC, LoadNWC, RNNFormat, ValueToNWC, rnn_format, swap_time, value_to_ncw
 
 __all__ = ["SparkDl4jMultiLayer", "SparkComputationGraph", "SparkTrainingStats"]
 
@@ -96,7 +97,7 @@ class _SparkNetwork:
     #: Minibatches each executor task evaluates at once, by default (DL4J's evaluation workers).
     DEFAULT_EVAL_WORKERS = 4
 
-    def __init__(self, sc, network, training_master=None):
+    def __init__(self, sc, network, training_master=None, rnnDataFormat="NCW"):
         self.sc = _spark_context(sc)
         if not isinstance(network, Network):
             raise TypeError(f"network must be a dlspark.Network, got {type(network).__name__} (DL4J's "
@@ -112,7 +113,34 @@ class _SparkNetwork:
         self._score = math.nan
         self._listeners: list = []
         self._eval_workers = self.DEFAULT_EVAL_WORKERS
+        self._rnn = rnn_format(rnnDataFormat)
         _spark.check_executors(self.sc)  # once per SparkContext: the executors must import this dlspark
+
+    # -- DL4J's recurrent layout (dlspark.compat._rnn) ---------------------------------------
+    def getRnnDataFormat(self) -> RNNFormat:
+        """The layout of 3-D features, labels and outputs: ``RNNFormat.NCW`` (DL4J's
+        ``[examples, features, time]``, the default) or ``RNNFormat.NWC``."""
+        return self._rnn
+
+    def _in_rdd(self, rdd):
+        """An RDD whose DataSets come in the network's layout (mapped on the executors)."""
+        if self._rnn is RNNFormat.NWC:
+            return rdd
+        return rdd.map(DatasetsToNWC(), preservesPartitioning=True)
+
+    def _in_loader(self, loader):
+        """A minibatch loader whose DataSets come in the network's layout."""
+        return loader if self._rnn is RNNFormat.NWC else LoadNWC(loader)
+
+    def _in_local(self, data):
+        """Local data (a DataSet, a list of them, or arrays) in the network's layout."""
+        if self._rnn is RNNFormat.NWC or isinstance(data, str):
+            return data
+        if isinstance(data, (list, tuple)) and data and isinstance(data[0], (DataSet, MultiDataSet)):
+            return type(data)(self._in_local(d) for d in data)
+        if isinstance(data, tuple) and len(data) == 2:  # (features, labels)
+            return swap_time(data[0]), swap_time(data[1])
+        return DatasetsToNWC()(data)
 
     # -- training --------------------------------------------------------------------------
     def _fit_trainer(self) -> DistributedTrainer:
@@ -129,13 +157,15 @@ class _SparkNetwork:
         set_periodic_gc(client, self._master.periodic_gc_ms)
         return self._trainer
 
-    def _train_paths(self, trainer, urls, loader=None):
+    def _train_paths(self, trainer, urls, loader=None, exported=False):
         """One epoch from minibatch files: dealt in the master's seeded order, with the listeners."""
         if self._master.rng_seed is not None:
             urls = dealt(list_minibatches(urls) if isinstance(urls, str) else urls, self._master.rng_seed,
                          self._network.epoch)
         on_round, end = dispatcher(self._listeners, self._network, trainer)
         every = checkpoint_options(self._listeners, trainer.master, len(trainer._workers()))
+        if not exported:  # files written by the export are in the network's layout already
+            loader = self._in_loader(loader)
         trainer.fit_paths(urls, loader=loader, callbacks=[on_round] if self._listeners else (), **every)
         end()
 
@@ -148,7 +178,7 @@ class _SparkNetwork:
                 rdd.persist(spark_storage_level(master.storage_level))
             on_round, end = dispatcher(self._listeners, self._network, trainer)
             try:
-                trainer.fit(rdd, callbacks=[on_round] if self._listeners else ())
+                trainer.fit(self._in_rdd(rdd), callbacks=[on_round] if self._listeners else ())
                 end()
             finally:
                 if persist:
@@ -167,7 +197,8 @@ class _SparkNetwork:
                 return used[-1]
 
             try:
-                refs = fit_minibatches(rdd, SourceContext(trainer.client, bs, "export", export_dir=export_dir)).refs
+                refs = fit_minibatches(self._in_rdd(rdd),
+                                       SourceContext(trainer.client, bs, "export", export_dir=export_dir)).refs
             except BaseException:
                 for d in used:
                     master.discard_export_dir(d)
@@ -175,7 +206,8 @@ class _SparkNetwork:
             if used and not any(r.startswith(used[-1]) for r in refs[:1]):  # an RDD of paths: nothing written
                 master.discard_export_dir(used[-1])
             self._exported = cached = (key, used[-1] if used else None, refs)
-        self._train_paths(trainer, cached[2])
+        written = cached[1] is not None and bool(cached[2]) and str(cached[2][0]).startswith(cached[1])
+        self._train_paths(trainer, cached[2], exported=written)
 
     def _after_fit(self, trainer):
         losses = [loss for _, _, loss in trainer.loss_history if loss is not None]
@@ -208,7 +240,7 @@ class _SparkNetwork:
             self._fit_rdd(trainer, data)
         else:
             on_round, end = dispatcher(self._listeners, self._network, trainer)
-            trainer.fit(data, callbacks=[on_round] if self._listeners else ())
+            trainer.fit(self._in_local(data), callbacks=[on_round] if self._listeners else ())
             end()
         return self._after_fit(trainer)
 
@@ -271,13 +303,13 @@ class _SparkNetwork:
                             "doEvaluation(paths, [evalNumWorkers, evalBatchSize,] loader, *evaluations), e.g. "
                             "doEvaluation(rdd, 64, Evaluation(), ROCMultiClass()); the batch size is missing")
         workers, batch = (self._eval_workers, ints[0]) if len(ints) == 1 else ints
-        return _spark.do_evaluation(self._rdd(data, "doEvaluation"), self._network, rest, batch, workers, loader,
-                                    output=self._eval_output)
+        return _spark.do_evaluation(self._in_rdd(self._rdd(data, "doEvaluation")), self._network, rest, batch,
+                                    workers, self._in_loader(loader), output=self._eval_output)
 
     def _one(self, evaluation, data, batch_size, loader, what):
-        rdd = self._rdd(data, what)
+        rdd = self._in_rdd(self._rdd(data, what))
         return _spark.do_evaluation(rdd, self._network, [evaluation], batch_size, self._eval_workers,
-                                    loader, output=self._eval_output)[0]
+                                    self._in_loader(loader), output=self._eval_output)[0]
 
     def evaluate(self, data, labels_list=None, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE, loader=None):
         """Classification :class:`Evaluation` over an RDD (or a directory of minibatch files).
@@ -312,11 +344,18 @@ class _SparkNetwork:
         """Keyed inference: a pair RDD of ``(key, features of one example)`` in, a pair RDD of
         ``(key, outputs)`` out, in the same partitioning (lazy; the keys stay in Spark).
         A graph with several inputs takes a tuple of arrays per key and gives a tuple."""
-        return _spark.predict_with_keys(features, self._network, batch_size)
+        return self._keyed(features, batch_size, False)
 
     def feedForwardWithMaskAndKey(self, features_and_mask, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE):
         """:meth:`feedForwardWithKey` for a pair RDD of ``(key, (features, features_mask))``."""
-        return _spark.predict_with_keys(features_and_mask, self._network, batch_size, with_mask=True)
+        return self._keyed(features_and_mask, batch_size, True)
+
+    def _keyed(self, pairs, batch_size, with_mask):
+        if self._rnn is RNNFormat.NWC:
+            return _spark.predict_with_keys(pairs, self._network, batch_size, with_mask=with_mask)
+        out = _spark.predict_with_keys(pairs.mapValues(ValueToNWC(with_mask)), self._network, batch_size,
+                                       with_mask=with_mask)
+        return out.mapValues(value_to_ncw)
 
     def scoreExamples(self, data, include_regularization: bool = False,
                       batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE):
@@ -326,17 +365,19 @@ class _SparkNetwork:
         ``include_regularization`` changes nothing: weight decay lives in the optax updater,
         not in the loss.
         """
-        return _spark.score_examples(data, self._network, batch_size)
+        return _spark.score_examples(self._in_rdd(data), self._network, batch_size)
 
     def calculateScore(self, data, average: bool = True, batch_size: int = DEFAULT_EVAL_SCORE_BATCH_SIZE) -> float:
         """The loss over an RDD of DataSets: the mean per example with ``average``, else the sum."""
-        return _spark.calculate_score(data, self._network, batch_size, average)
+        return _spark.calculate_score(self._in_rdd(data), self._network, batch_size, average)
 
     def predict(self, features):
         """DL4J's ``predict(features)``: the network's output for a local array of examples,
         on the driver (a tuple of arrays for several outputs)."""
-        return self._network.output(np.asarray(features) if not isinstance(features, (tuple, list))
-                                    else tuple(np.asarray(f) for f in features))
+        x = np.asarray(features) if not isinstance(features, (tuple, list)) else tuple(np.asarray(f) for f in features)
+        if self._rnn is RNNFormat.NWC:
+            return self._network.output(x)
+        return swap_time(self._network.output(swap_time(x)))
 
     # -- listeners -------------------------------------------------------------------------
     def setListeners(self, *listeners) -> None:
@@ -451,6 +492,10 @@ class SparkDl4jMultiLayer(_SparkNetwork):
     network : dlspark.Network
     training_master : ParameterAveragingTrainingMaster, SharedTrainingMaster or None
         None for evaluation and inference only.
+    rnnDataFormat : RNNFormat or str, default "NCW"
+        The layout of 3-D (recurrent) features, labels and outputs: DL4J's NCW
+        ``[examples, features, time]``, swapped to the model's NWC on the way in and back on
+        the way out (``dlspark.compat._rnn``), or ``"NWC"`` for data already in it.
 
     Examples
     --------

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import flax.linen as nn
 import numpy as np
 import optax
 import pytest
@@ -510,3 +511,81 @@ def test_spark_early_stopping_trainer_stops_and_keeps_the_best_model(sc, cluster
     assert result.getTerminationReason() is TerminationReason.IterationTerminationCondition
     assert result.getTerminationDetails() == "MaxScoreIterationTerminationCondition(0.0)"
     assert result.getTotalEpochs() == 1 and result.getBestModelEpoch() == -1 and result.getBestModel() is None
+
+
+# -- DL4J's recurrent layout ---------------------------------------------------------------------------
+class SeqNet(nn.Module):
+    """A GRU over [examples, time, features], one 3-class output per time step."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(nn.RNN(nn.GRUCell(8))(x))
+
+
+def _sequences(n=96, t=5, f=4, seed=0):
+    """NWC sequences whose class at each step follows the running sum of the first feature."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, t, f)).astype(np.float32)
+    y = np.eye(3, dtype=np.float32)[np.digitize(np.cumsum(x[:, :, 0], 1), [-0.5, 0.5])]
+    mask = np.ones((n, t), np.float32)
+    mask[::4, -2:] = 0  # some sequences end early
+    return x, y, mask
+
+
+def _seq_part(ncw, index, _):
+    """Runs on an executor: a quarter of the sequences as DataSets of 8, in NCW or NWC."""
+    x, y, mask = _sequences()
+    sl = slice(index * 24, (index + 1) * 24)
+    x, y, mask = x[sl], y[sl], mask[sl]
+    if ncw:  # DL4J's layout: [examples, features/classes, time]
+        x, y = x.swapaxes(1, 2), y.swapaxes(1, 2)
+    return DataSet(x, y, mask, mask).batches(8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two fits of a recurrent network; compilation under load takes minutes
+def test_rnn_data_format_ncw_trains_evaluates_and_infers_as_nwc(sc, cluster, tmp_path):
+    from functools import partial
+
+    from conftest import tree_equal
+
+    from dlspark.compat import DataSetExportFunction, ParameterAveragingTrainingMaster, RNNFormat, SparkDl4jMultiLayer
+
+    def rdd(ncw):
+        return sc.parallelize(range(4), 4).mapPartitionsWithIndex(partial(_seq_part, ncw))
+
+    def seq_net():
+        x = np.zeros((1, 5, 4), np.float32)
+        return dlspark.Network(dlspark.Model.from_flax(SeqNet(), x), loss="mcxent", updater=optax.adam(1e-2), seed=3)
+
+    tm = ParameterAveragingTrainingMaster.Builder(8).batchSizePerWorker(8).averagingFrequency(2).build()
+    nwc = SparkDl4jMultiLayer(sc, seq_net(), tm, rnnDataFormat="NWC")
+    ncw = SparkDl4jMultiLayer(sc, seq_net(), tm)  # DL4J's default
+    assert ncw.getRnnDataFormat() is RNNFormat.NCW and nwc.getRnnDataFormat() is RNNFormat.NWC
+    nwc.fit(rdd(False))
+    ncw.fit(rdd(True))  # exported by the executors in the network's layout
+    assert tree_equal(nwc.getNetwork().state.params, ncw.getNetwork().state.params)
+    assert ncw.getNetwork().iteration == 12
+
+    # evaluation and scoring on the executors: the same figures from either layout
+    a, b = nwc.evaluate(rdd(False)), ncw.evaluate(rdd(True))
+    assert a.getNumRowCounter() == b.getNumRowCounter() == 96 * 5 - 24 * 2  # masked steps left out
+    assert a.accuracy() == b.accuracy()
+    assert nwc.calculateScore(rdd(False)) == pytest.approx(ncw.calculateScore(rdd(True)), rel=1e-6)
+    # files written in DL4J's layout, read back by the executors through the network's loader
+    out = str(tmp_path / "ncw")
+    rdd(True).foreachPartition(DataSetExportFunction(out))
+    assert ncw.evaluate(out).accuracy() == b.accuracy()
+
+    # outputs come back in the layout they went in: predict and keyed inference
+    x, _, mask = _sequences(8, seed=1)
+    np.testing.assert_allclose(ncw.predict(x.swapaxes(1, 2)), np.swapaxes(nwc.predict(x), 1, 2), rtol=1e-6)
+    keyed = sc.parallelize([(i, x[i].T) for i in range(8)], 2)  # one example: [features, time]
+    got = dict(ncw.feedForwardWithKey(keyed).collect())
+    assert got[3].shape == (3, 5)
+    np.testing.assert_allclose(np.stack([got[i] for i in range(8)]), np.swapaxes(nwc.predict(x), 1, 2),
+                               rtol=1e-5, atol=1e-6)
+    masked = dict(ncw.feedForwardWithMaskAndKey(sc.parallelize([(i, (x[i].T, mask[i])) for i in range(8)])).collect())
+    assert masked[0].shape == (3, 5)
+    with pytest.raises(ValueError, match="rnnDataFormat must be one of RNNFormat.NCW, RNNFormat.NWC, got 'NHWC'"):
+        SparkDl4jMultiLayer(sc, seq_net(), tm, rnnDataFormat="NHWC")
