@@ -35,6 +35,7 @@ from ._networks import SparkComputationGraph, SparkDl4jMultiLayer, SparkTraining
 from ._listeners import (BaseTrainingListener, CheckpointListener, FileStatsStorage, PerformanceListener,
                          ScoreIterationListener, StatsListener, StatsStorageRouter, TrainingListener)
 from ._util import BatchAndExportDataSetsFunction, DataSetExportFunction, ModelSerializer, SparkUtils, StatsUtils
+from ._rnn import RNNFormat
 from ._earlystopping import (BestScoreEpochTerminationCondition, DataSetLossCalculator, EarlyStoppingConfiguration,
                              EarlyStoppingListener, EarlyStoppingResult, InMemoryModelSaver,
                              InvalidScoreIterationTerminationCondition, LocalFileModelSaver,
@@ -84,6 +85,7 @@ __all__ = [
     "StatsStorageRouter",
     "FileStatsStorage",
     "CheckpointListener",
+    "RNNFormat",
     "SparkEarlyStoppingTrainer",
     "SparkEarlyStoppingGraphTrainer",
     "EarlyStoppingConfiguration",
