@@ -57,30 +57,42 @@ def _stack(rows, name):
     return np.stack(rows)
 
 
-def _datasets(rows, features_col, label_col, fkind, lkind, class_ids):
-    """Runs on an executor: the partition's rows as DataSets of up to ``_ROWS_PER_DATASET`` examples."""
+def _weight(value, name):
+    w = float(value) if value is not None else float("nan")
+    if not w >= 0:
+        raise ValueError(f"weightCol {name!r} holds {value}: sample weights must be non-negative numbers")
+    return w
+
+
+def _datasets(rows, features_col, label_col, fkind, lkind, class_ids, weight_col=None):
+    """Runs on an executor: the partition's rows as DataSets of up to ``_ROWS_PER_DATASET`` examples
+    (the weights, where a weight column is named, as each DataSet's labels mask)."""
     from dlspark import DataSet
 
-    xs, ys = [], []
+    xs, ys, ws = [], [], []
 
     def flush():
         x = _stack(xs, features_col).astype(np.float32)
         y = _stack(ys, label_col)
         y = y[:, 0].astype(np.int32) if class_ids else y.astype(np.float32)
+        w = np.asarray(ws, np.float32) if weight_col is not None else None
         xs.clear()
         ys.clear()
-        return DataSet(x, y)
+        ws.clear()
+        return DataSet(x, y, labels_mask=w)
 
     for row in rows:
         xs.append(_row_values(row[features_col], fkind, features_col))
         ys.append(_row_values(row[label_col], lkind, label_col))
+        if weight_col is not None:
+            ws.append(_weight(row[weight_col], weight_col))
         if len(xs) == _ROWS_PER_DATASET:
             yield flush()
     if xs:
         yield flush()
 
 
-def dataframe_datasets(df, features_col, label_col, class_ids=None, softmax=False):
+def dataframe_datasets(df, features_col, label_col, class_ids=None, softmax=False, weight_col=None):
     """An RDD of DataSets from the columns ``features_col`` and ``label_col`` of the Spark DataFrame ``df``.
 
     Parameters
@@ -94,6 +106,10 @@ def dataframe_datasets(df, features_col, label_col, class_ids=None, softmax=Fals
         column is a number and of an integer type or ``softmax`` is true.
     softmax : bool
         The network's loss takes class ids (a softmax loss).
+    weight_col : str, optional
+        A numeric column of non-negative per-example weights (Spark ML's ``weightCol``):
+        each minibatch's loss is ``sum(w * loss) / sum(w)``, so that a row of weight 0
+        has no effect on the fit.
 
     Raises
     ------
@@ -109,12 +125,17 @@ def dataframe_datasets(df, features_col, label_col, class_ids=None, softmax=Fals
             raise TypeError(f"{what} must be a column name, got {name!r}")
     fkind, _ = _kind(df, features_col, "featuresCol")
     lkind, integer = _kind(df, label_col, "labelCol")
+    if weight_col is not None:
+        if not isinstance(weight_col, str):
+            raise TypeError(f"weightCol must be a column name, got {weight_col!r}")
+        if _kind(df, weight_col, "weightCol")[0] != "scalar":
+            raise TypeError(f"weightCol {weight_col!r} must hold one number a row (a sample weight)")
     ids = lkind == "scalar" and (integer or softmax) if class_ids is None else bool(class_ids)
     if ids and lkind != "scalar":
         raise ValueError(f"class_ids=True needs a label column of numbers, got {lkind}s in {label_col!r}")
-    cols = (features_col, label_col)
+    cols = tuple(dict.fromkeys((features_col, label_col) + ((weight_col,) if weight_col is not None else ())))
     return df.select(*cols).rdd.mapPartitions(
-        lambda rows: _datasets(rows, features_col, label_col, fkind, lkind, ids))
+        lambda rows: _datasets(rows, features_col, label_col, fkind, lkind, ids, weight_col))
 
 
 def keyed_dataframe(df, key_col, features_col):

@@ -215,13 +215,15 @@ class _SparkNetwork:
             self._score = float(losses[-1])
         return self._network
 
-    def fit(self, data, featuresCol=None, labelCol=None):
+    def fit(self, data, featuresCol=None, labelCol=None, weightCol=None):
         """Train one epoch on ``data``: an RDD of DataSets (or MultiDataSets, or minibatch
         paths), or a directory (or glob) of minibatch files; returns the trained Network.
 
         A Spark DataFrame trains from its ``featuresCol`` and ``labelCol`` columns
         (numbers, arrays or Spark ML vectors; dlspark's extension: DL4J takes RDDs):
         the executors turn the rows into DataSets and write the minibatch files.
+        ``weightCol`` names a column of non-negative per-example weights (a row of weight 0
+        has no effect on the fit).
 
         An RDD of DataSets is exported by the executors to minibatch files of
         ``batchSizePerWorker`` examples (``RDDTrainingApproach.Export``); fitting the same RDD
@@ -232,7 +234,8 @@ class _SparkNetwork:
         if is_spark_dataframe(data):
             loss = getattr(self._network._loss, "name", None)
             data = dataframe_datasets(data, featuresCol, labelCol,
-                                      softmax=loss in ("softmax_cross_entropy", "negative_log_likelihood"))
+                                      softmax=loss in ("softmax_cross_entropy", "negative_log_likelihood"),
+                                      weight_col=weightCol)
         trainer = self._fit_trainer()
         if isinstance(data, str):
             self._train_paths(trainer, data)

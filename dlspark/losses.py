@@ -217,19 +217,24 @@ def output_probabilities(loss, outputs):
 
 
 def reduce_loss(per_element, mask=None):
-    """Mean of ``per_element`` losses over the entries where ``mask`` is nonzero.
+    """Mean of ``per_element`` losses over the entries where ``mask`` is nonzero, weighted by it.
 
     ``mask`` has shape ``per_element.shape[:mask.ndim]`` (per example ``[batch]``
     or per time step ``[batch, time]``); a trailing axis of size 1 is accepted.
-    Returns ``(mean, weight)`` where ``weight`` is the number of counted entries.
+    Its values weigh the entries: a 0/1 mask counts the entries it keeps, other
+    non-negative values are per-example (sample) weights, ``sum(w * l) / sum(w)``;
+    an entry of weight 0 adds nothing, not even a non-finite loss.
+    Returns ``(mean, weight)`` where ``weight`` is the total weight (for a 0/1 mask,
+    the number of counted entries).
     """
     per_element = jnp.asarray(per_element)
     if mask is None:
         return per_element.mean(), jnp.asarray(per_element.size, per_element.dtype)
     mask = _broadcast_mask(mask, per_element.shape).astype(per_element.dtype)
     weight = mask.sum()
-    total = jnp.where(mask > 0, per_element, 0.0).sum()
-    return total / jnp.maximum(weight, 1.0), weight
+    total = jnp.where(mask > 0, per_element * mask, 0.0).sum()
+    # weights may sum to less than 1; none at all (a fully masked batch) gives a loss of 0
+    return total / jnp.where(weight > 0, weight, 1.0), weight
 
 
 def _broadcast_mask(mask, shape):

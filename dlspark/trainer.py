@@ -26,13 +26,16 @@ __all__ = ["DistributedTrainer"]
 NO_WORKERS_WAIT_S = 10
 
 
-def _named_columns(data, features, labels):
+def _named_columns(data, features, labels, weight=None):
     """``data`` with its columns named, where ``features`` or ``labels`` are given (a DataFrame)."""
     if features is None and labels is None:
+        if weight is not None:
+            raise ValueError(f"weight={weight!r} names a DataFrame's weight column: name its features and "
+                             "labels too, e.g. fit(ddf, features=['x0', 'x1'], labels='y', weight='w')")
         return data
     from .data._frames import frame_columns
 
-    return frame_columns(data, features, labels)
+    return frame_columns(data, features, labels, weight)
 
 
 class DistributedTrainer:
@@ -124,6 +127,9 @@ class DistributedTrainer:
         self.last_fit_stats: list = []
         self.algorithm_state: dict = {}
         self.published: dict = {}
+        # {worker: (job, digests)} of the states the workers kept from the last fit: the next
+        # fit sends each only what differs (dlspark.distributed._kept)
+        self.kept_states: dict = {}
         self._exports = Exports()
         install_plugins(client, pin)
         if self._cluster is not None:
@@ -185,7 +191,7 @@ class DistributedTrainer:
     # -- training --------------------------------------------------------------
     def fit(self, data, epochs: int = 1, *, checkpoint_every: int | None = None, checkpoint_url: str | None = None,
             resume_from: str | None = None, callbacks=(), progress: bool | None = None,
-            storage_options: dict | None = None, features=None, labels=None) -> Network:
+            storage_options: dict | None = None, features=None, labels=None, weight=None) -> Network:
         """Train on ``data``: a DataSet, a ``(features, labels)`` pair, a list of DataSets,
         a pair of dask arrays, a dask bag of DataSets, a dask or pandas DataFrame with
         ``features`` and ``labels`` naming its columns, or any registered data source.
@@ -207,6 +213,9 @@ class DistributedTrainer:
             The feature and label columns of a DataFrame ``data``
             (:func:`dlspark.data.frame_columns`): each partition is cut into minibatches
             on the worker that holds it.
+        weight : str, optional
+            A DataFrame's column of non-negative per-example weights: each minibatch's
+            loss is ``sum(w * loss) / sum(w)``, so a row of weight 0 has no effect.
 
         Returns
         -------
@@ -214,7 +223,7 @@ class DistributedTrainer:
             ``self.network``, trained.
         """
         check_fit_args(self.master, epochs, checkpoint_every, checkpoint_url)
-        data = _named_columns(data, features, labels)
+        data = _named_columns(data, features, labels, weight)
         # the files of an earlier fit of the same data (by content) are trained from again
         t_export = time.time()
         m = self._exports.minibatches(data, SourceContext(
@@ -229,7 +238,7 @@ class DistributedTrainer:
     def fit_paths(self, paths, epochs: int = 1, loader=None, *, storage_options: dict | None = None,
                   checkpoint_every: int | None = None, checkpoint_url: str | None = None,
                   resume_from: str | None = None, callbacks=(), progress: bool | None = None,
-                  features=None, labels=None) -> Network:
+                  features=None, labels=None, weight=None) -> Network:
         """Train from minibatch files (DL4J's ``fitPaths``), or from Parquet files by column name.
 
         Parameters
@@ -245,12 +254,13 @@ class DistributedTrainer:
             ``resume_from``, used on the client and workers.
         features, labels : str or list of str, optional
             Column names: ``paths`` are then Parquet files, read by the workers row
-            group by row group (:func:`dlspark.data.parquet_columns`).
+            group by row group (:func:`dlspark.data.parquet_columns`); ``weight`` a column of
+            sample weights, as in :meth:`fit`.
         """
         if features is not None:  # Parquet files: the workers read their row groups
             from .data._frames import parquet_columns
 
-            return self.fit(parquet_columns(paths, features, labels, storage_options), epochs,
+            return self.fit(parquet_columns(paths, features, labels, storage_options, weight=weight), epochs,
                             checkpoint_every=checkpoint_every, checkpoint_url=checkpoint_url,
                             resume_from=resume_from, callbacks=callbacks, progress=progress,
                             storage_options=storage_options)

@@ -3,6 +3,7 @@
 import os
 
 import dask
+import jax
 import dask.dataframe as dd
 import numpy as np
 import optax
@@ -192,3 +193,46 @@ def test_a_frame_generated_on_the_workers_never_reaches_the_client(client2, digi
     assert grew < 1.5 * part_bytes, f"the client grew by {grew / 2**20:.1f} MiB, a partition is {part_bytes / 2**20} MiB"
     trainer.close()
     assert dask.is_dask_collection(ddf)
+
+
+# -- sample weights ---------------------------------------------------------------------------
+def _weighted_frame(tr, weights, npartitions=3):
+    ddf = digits_frame(tr, npartitions)
+    return ddf.assign(w=dd.from_pandas(pd.Series(weights, dtype=np.float32), npartitions=npartitions))
+
+
+def test_rows_of_weight_zero_have_no_effect(digits, make_net):
+    tr, te = digits
+    n = len(tr) - len(tr) % 32
+    tr = tr[:n]
+    # every odd row at weight 0, every even row at 2: each minibatch of 32 holds 16 rows that count,
+    # the same 16 that a minibatch of 16 holds once those rows are dropped, and the loss is their
+    # weighted mean, so both fits take the same steps (plain SGD: a scaled loss would show)
+    w = np.tile(np.float32([2.0, 0.0]), n // 2)
+    weighted, dropped, plain = (make_net(updater=optax.sgd(0.05)) for _ in range(3))
+    weighted.fit(frame_columns(_weighted_frame(tr, w), FEATURES, "label", weight="w"), epochs=2, batch_size=32)
+    dropped.fit(frame_columns(digits_frame(tr[::2], 3), FEATURES, "label"), epochs=2, batch_size=16)
+    plain.fit(frame_columns(digits_frame(tr, 3), FEATURES, "label"), epochs=2, batch_size=32)
+    for a, b in zip(jax.tree_util.tree_leaves(weighted.params), jax.tree_util.tree_leaves(dropped.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert not all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-2, atol=1e-3) for a, b in
+                   zip(jax.tree_util.tree_leaves(weighted.params), jax.tree_util.tree_leaves(plain.params)))
+    # a class at weight 0 is not learnt; the others are
+    ids = np.asarray(tr.labels).argmax(1)
+    no3 = make_net()
+    no3.fit(frame_columns(_weighted_frame(tr, (ids != 3).astype(np.float32)), FEATURES, "label", weight="w"),
+            epochs=3, batch_size=32)
+    pred, truth = np.asarray(no3.output(te.features)).argmax(1), np.asarray(te.labels).argmax(1)
+    assert (pred[truth == 3] == 3).mean() < 0.1 and (pred == truth)[truth != 3].mean() >= 0.85
+
+
+def test_a_bad_weight_column_is_named():
+    with pytest.raises(TypeError, match=r"weight column 'fixed' must hold one number a row"):
+        frame_columns(_bad_frame(), ["a"], "y", weight="fixed")
+    with pytest.raises(ValueError, match=r"weight column 'v' is not in the frame"):
+        frame_columns(_bad_frame(), ["a"], "y", weight="v")
+    from dlspark.data._frames import frame_weights
+
+    cols = frame_columns(_bad_frame().assign(a=-1.0), ["y"], "y", weight="a")
+    with pytest.raises(ValueError, match=r"weight column 'a' holds -1.0: sample weights must be non-negative"):
+        frame_weights(cols.frame.compute(), cols.weight)

@@ -52,13 +52,15 @@ class FrameColumns:
     frame: Any
     features: tuple
     labels: tuple | None
+    weight: _Column | None = None
 
-    def to_bag(self):
-        """A dask bag of one DataSet per partition, each built in a task on the worker that holds it."""
+    def to_bag(self, weighted: bool = True):
+        """A dask bag of one DataSet per partition, each built in a task on the worker that holds it
+        (with the weight column as its labels mask, unless ``weighted`` is false: evaluation)."""
         import dask
         import dask.bag as db
 
-        spec = (self.features, self.labels)
+        spec = (self.features, self.labels, self.weight if weighted else None)
         return db.from_delayed([dask.delayed(_partition_datasets)(p, spec) for p in self.frame.to_delayed()])
 
 
@@ -109,7 +111,7 @@ def _names(value, what):
     return names
 
 
-def frame_columns(frame, features, labels=None) -> FrameColumns:
+def frame_columns(frame, features, labels=None, weight=None) -> FrameColumns:
     """Name the feature and label columns of ``frame`` (a dask or pandas DataFrame).
 
     Parameters
@@ -124,6 +126,11 @@ def frame_columns(frame, features, labels=None) -> FrameColumns:
         (what ``softmax_cross_entropy`` takes, as one-hot labels); anything else
         gives float labels, one column each (a fixed-size list column, several).
         Without labels, the frame serves inference only.
+    weight : str, optional
+        A numeric column of non-negative per-example (sample) weights: training
+        minimises ``sum(w * loss) / sum(w)`` over each minibatch, so that a row of
+        weight 0 has no effect on the fit. It enters each minibatch as its labels
+        mask; evaluation counts every row alike.
 
     Raises
     ------
@@ -152,31 +159,42 @@ def frame_columns(frame, features, labels=None) -> FrameColumns:
     labs = _names(labels, "labels")
     feature_cols = tuple(_column(frame, n, "feature") for n in feats)
     label_cols = None if labs is None else tuple(_column(frame, n, "label") for n in labs)
+    weight_col = None
+    if weight is not None:
+        if not isinstance(weight, str):
+            raise TypeError(f"weight must be a column name, got {weight!r}")
+        weight_col = _column(frame, weight, "weight")
+        if weight_col.width or weight_col.categorical:
+            raise TypeError(f"weight column {weight!r} must hold one number a row (a non-negative sample "
+                            f"weight), got {_describe(frame.dtypes[weight])}")
     if isinstance(frame, pd.DataFrame) and len(frame) == 0:
         raise ValueError(f"the frame has no rows (columns {list(frame.columns)[:20]}): training and evaluation "
                          "need at least one example")
-    return FrameColumns(frame, feature_cols, label_cols)
+    return FrameColumns(frame, feature_cols, label_cols, weight_col)
 
 
-def parquet_columns(urls, features, labels=None, storage_options: dict | None = None, **read_options) -> FrameColumns:
+def parquet_columns(urls, features, labels=None, storage_options: dict | None = None, *, weight: str | None = None,
+                    **read_options) -> FrameColumns:
     """Parquet files at any fsspec URL (a glob, a directory or a list), by column name.
 
     A dask DataFrame over the files (``dask.dataframe.read_parquet``, reading only
     the named columns): the workers read the row groups themselves, and each
     partition is cut into minibatches where it was read. ``read_options`` go to
-    ``read_parquet`` (``split_row_groups``, ``filters``, ...).
+    ``read_parquet`` (``split_row_groups``, ``filters``, ...); ``weight`` names a column
+    of sample weights (:func:`frame_columns`).
     """
     import dask.dataframe as dd
 
     feats, labs = _names(features, "features"), _names(labels, "labels")
     if feats is None:
         raise TypeError("features must name the feature columns, e.g. features=['x0', 'x1']")
-    wanted = list(dict.fromkeys(feats + (labs or ())))
+    wanted = list(dict.fromkeys(feats + (labs or ()) + ((weight,) if isinstance(weight, str) else ())))
     frame = dd.read_parquet(urls, storage_options=storage_options or {}, **read_options)
-    for names, role in ((feats, "feature"), (labs or (), "label")):
+    for names, role in ((feats, "feature"), (labs or (), "label"), ((weight,) if isinstance(weight, str) else (),
+                                                                     "weight")):
         for name in names:  # the whole file's columns in the message, not the selection's
             _column(frame, name, role)
-    return frame_columns(frame[wanted], feats, labs)
+    return frame_columns(frame[wanted], feats, labs, weight)
 
 
 def _values(part, col: _Column, dtype):
@@ -206,13 +224,29 @@ def frame_arrays(part, features, labels):
     return x, np.concatenate([_values(part, c, np.float32) for c in labels], axis=1)
 
 
+def frame_weights(part, weight):
+    """The per-example weights of the rows of ``part`` (float32), or None without a weight column."""
+    if weight is None:
+        return None
+    w = _values(part, weight, np.float32)[:, 0]
+    if not np.all(w >= 0):  # NaN included
+        bad = w[~(w >= 0)][0]
+        raise ValueError(f"weight column {weight.name!r} holds {bad}: sample weights must be non-negative numbers")
+    return w
+
+
+def frame_dataset(part, features, labels, weight=None) -> DataSet:
+    """The rows of the pandas frame ``part`` as one DataSet (the weights as its labels mask)."""
+    x, y = frame_arrays(part, features, labels)
+    return DataSet(x, y, labels_mask=frame_weights(part, weight))
+
+
 def _partition_datasets(part, spec):
     """Runs on a worker: one partition (a pandas frame) as ``[DataSet]``, or ``[]`` when empty."""
-    features, labels = spec
+    features, labels, weight = spec
     if len(part) == 0:
         return []
-    x, y = frame_arrays(part, features, labels)
-    return [DataSet(x, y)]
+    return [frame_dataset(part, features, labels, weight)]
 
 
 def _keyed_partition(part, features):
@@ -262,8 +296,7 @@ class FrameSource(Source):
     def fit_refs(self, data, ctx):
         self._labelled(data, "fit")
         if not _is_dask(data.frame):
-            x, y = frame_arrays(data.frame, data.features, data.labels)
-            return fit_minibatches(DataSet(x, y), ctx)
+            return fit_minibatches(frame_dataset(data.frame, data.features, data.labels, data.weight), ctx)
         m = fit_minibatches(data.to_bag(), ctx)
         if not m.refs:
             raise ValueError(f"the frame has no rows (columns {list(data.frame.columns)[:20]}): training needs at "
@@ -275,7 +308,7 @@ class FrameSource(Source):
         if not _is_dask(data.frame):
             x, y = frame_arrays(data.frame, data.features, data.labels)
             return evaluation_parts(DataSet(x, y), ctx, n_parts)
-        return evaluation_parts(data.to_bag(), ctx, n_parts)
+        return evaluation_parts(data.to_bag(weighted=False), ctx, n_parts)
 
     def local_batches(self, data, batch_size, epochs):
         self._labelled(data, "fit")
@@ -284,7 +317,7 @@ class FrameSource(Source):
         for p in parts:  # one partition in memory at a time
             part = p if not _is_dask(data.frame) else p.compute()
             if len(part):
-                batches.extend(DataSet(*frame_arrays(part, data.features, data.labels)).batches(batch_size))
+                batches.extend(frame_dataset(part, data.features, data.labels, data.weight).batches(batch_size))
         if not batches:
             raise ValueError("the frame has no rows: training needs at least one example")
         return batches, False
