@@ -13,7 +13,9 @@ executors write, an RDD of paths as its path strings. Evaluation, scoring and
 keyed inference of RDDs run on the Spark executors, where the data is.
 
 This package only translates names and calls; the pyspark execution lives in
-``dlspark.spark``. Importing it does not import pyspark.
+``dlspark.spark``. Importing it does not import pyspark. ``NetworkEstimator``
+and ``NetworkModel`` (a ``pyspark.ml`` Estimator and Model, dlspark's own
+extension) load pyspark on first use.
 
 Examples
 --------
@@ -104,4 +106,17 @@ __all__ = [
     "DataSetLossCalculator",
     "SparkDataSetLossCalculator",
     "SparkLossCalculatorComputationGraph",
+    "NetworkEstimator",
+    "NetworkModel",
 ]
+
+#: names whose module imports pyspark, loaded on first use
+_LAZY = {"NetworkEstimator": "._ml", "NetworkModel": "._ml"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -550,11 +550,29 @@ def test_spark_dataframes_train_evaluate_and_infer_through_compat(sc, cluster):
         return spark.createDataFrame(rows, ["id", "array", "dense", "sparse", "label", "text"]).repartition(3)
 
     train_df, test_df = frame(train), frame(test)
-    net = dlspark.Network(dlspark.Model.from_flax(MLP(hidden=128), np.zeros((1, 64), np.float32)), loss="mcxent",
-                          updater=optax.adam(5e-3))
-    sparkNet = SparkDl4jMultiLayer(sc, net, ParameterAveragingTrainingMaster.Builder(1).batchSizePerWorker(32).averagingFrequency(4).build())
-    for _ in range(3):
-        sparkNet.fit(train_df, "array", "label")
+    untrained = dlspark.Network(dlspark.Model.from_flax(MLP(hidden=128), np.zeros((1, 64), np.float32)),
+                                loss="mcxent", updater=optax.adam(5e-3))
+    # trained through the pyspark.ml Estimator, in a Pipeline: three epochs of
+    # SparkDl4jMultiLayer.fit(dataframe, featuresCol, labelCol) on a copy of the network
+    from pyspark.ml import Pipeline
+
+    from dlspark.compat import NetworkEstimator, NetworkModel
+
+    tm = ParameterAveragingTrainingMaster.Builder(1).batchSizePerWorker(32).averagingFrequency(4).build()
+    est = NetworkEstimator(network=untrained, featuresCol="array", labelCol="label", epochs=3, trainingMaster=tm)
+    model = Pipeline(stages=[est]).fit(train_df).stages[0]
+    assert isinstance(model, NetworkModel) and model.getFeaturesCol() == "array" and untrained.iteration == 0
+    net = model.getNetwork()
+    assert net.iteration >= 3 * N_TRAIN // 64  # three epochs on two workers of 32 examples a step
+    scored = model.setFeaturesCol("dense").transform(test_df)  # lazy: runs on the executors
+    assert scored.columns == test_df.columns + ["prediction", "probability"]
+    got = scored.orderBy("id").select("label", "prediction", "probability").collect()
+    want = net.output(test.features)
+    assert [r.prediction for r in got] == want.argmax(1).astype(float).tolist()
+    np.testing.assert_allclose(np.stack([r.probability.toArray() for r in got]),
+                               dlspark.losses.output_probabilities("mcxent", want), rtol=1e-5, atol=1e-6)
+    assert np.mean([r.prediction == r.label for r in got]) >= 0.85
+    sparkNet = SparkDl4jMultiLayer(sc, net, tm)
     ev = sparkNet.evaluate(dataframe_datasets(test_df, "sparse", "label", softmax=True))
     assert ev.accuracy() >= 0.85 and ev.count == len(test)
     # the three column kinds give the same examples
@@ -563,7 +581,14 @@ def test_spark_dataframes_train_evaluate_and_infer_through_compat(sc, cluster):
     for ds in firsts[1:]:
         np.testing.assert_array_equal(ds.features, firsts[0].features)
         np.testing.assert_array_equal(ds.labels, firsts[0].labels)
-    assert firsts[0].labels.dtype == np.int32
+    assert firsts[0].labels.dtype == np.int32 and firsts[0].labels_mask is None
+    # a weight column becomes each DataSet's labels mask, which weighs the loss per example
+    # (tests/test_frames.py: rows of weight 0 have no effect on a fit)
+    weighted = dataframe_datasets(first20.withColumn("w", first20["label"] % 3), "array", "label", softmax=True,
+                                  weight_col="w").first()
+    assert len(weighted) and weighted.labels_mask.tolist() == (weighted.labels % 3).astype(float).tolist()
+    with pytest.raises(TypeError, match="weightCol 'array' must hold one number a row"):
+        dataframe_datasets(first20, "array", "label", weight_col="array")
     out = dict(sparkNet.feedForwardWithKey(keyed_dataframe(test_df, "id", "dense")).collect())
     assert sorted(out) == list(range(len(test)))
     np.testing.assert_allclose(np.stack([out[i] for i in range(len(test))]), net.output(test.features),
@@ -573,3 +598,13 @@ def test_spark_dataframes_train_evaluate_and_infer_through_compat(sc, cluster):
         sparkNet.fit(train_df, "array", "y")
     with pytest.raises(TypeError, match="featuresCol 'text' has type string, not numeric; allowed are numbers"):
         sparkNet.fit(train_df, "text", "label")
+    with pytest.raises(ValueError, match=r"labelCol 'y' is not a column of the DataFrame"):
+        est.copy({est.labelCol: "y"}).fit(train_df)
+    with pytest.raises(TypeError, match="featuresCol 'text' has type string, not numeric"):
+        model.setFeaturesCol("text").transform(test_df)
+    with pytest.raises(ValueError, match="the DataFrame already has a column 'label'"):
+        model.setFeaturesCol("dense").setPredictionCol("label").transform(test_df)
+    with pytest.raises(ValueError, match="batchSizePerWorker configure the master built when no trainingMaster"):
+        est.copy({est.batchSizePerWorker: 16}).fit(train_df)
+    with pytest.raises(ValueError, match="epochs must be an integer >= 1, got 0"):
+        NetworkEstimator(network=untrained, epochs=0)
