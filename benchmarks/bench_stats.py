@@ -105,19 +105,22 @@ def step_time(repeats=7, steps=40):
     batch = jax.tree_util.tree_map(jax.numpy.asarray, make_data(64, "mlp").jit_batch())
     st = net.state
     for _ in range(5):
-        st, loss, _ = net.steps.train_step(st, batch)
-    loss.block_until_ready()
+        out = net.steps.train_step(st, batch)
+        st = out.state
+    out.loss.block_until_ready()
     once, each = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(steps):
-            st, loss, _ = net.steps.train_step(st, batch)
-        loss.block_until_ready()
+            out = net.steps.train_step(st, batch)
+            st = out.state
+        out.loss.block_until_ready()
         once.append((time.perf_counter() - t0) / steps * 1e3)
         t0 = time.perf_counter()
         for _ in range(steps):
-            st, loss, _ = net.steps.train_step(st, batch)
-            loss.block_until_ready()
+            out = net.steps.train_step(st, batch)
+            st = out.state
+            out.loss.block_until_ready()
         each.append((time.perf_counter() - t0) / steps * 1e3)
     return once, [e / o - 1 for e, o in zip(each, once)]
 

@@ -56,12 +56,14 @@ class TrainStep:
         # train_step donates its input state: step a copy, and keep the network's own intact
         self.state = jax.tree_util.tree_map(jax.numpy.copy, self.net.state)
         for _ in range(3):  # compile and warm up
-            self.state, loss, _ = self.net.steps.train_step(self.state, self.batch)
-        loss.block_until_ready()
+            out = self.net.steps.train_step(self.state, self.batch)
+            self.state = out.state
+        out.loss.block_until_ready()
 
     def time_train_step(self, kind):
-        self.state, loss, _ = self.net.steps.train_step(self.state, self.batch)
-        loss.block_until_ready()
+        out = self.net.steps.train_step(self.state, self.batch)
+        self.state = out.state
+        out.loss.block_until_ready()
 
     def peakmem_local_fit(self, kind):
         self.net.fit([dlspark.DataSet(np.asarray(self.batch[0]), np.asarray(self.batch[1]))] * 20)

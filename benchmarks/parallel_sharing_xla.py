@@ -40,18 +40,19 @@ def programs(net, mesh):
     steps = net.steps
 
     def plain(state, batch):
-        st, loss = steps.bare_step(_first(state), _first(batch))
-        return _lead(st), loss[None]
+        out = steps.bare_step(_first(state), _first(batch))
+        return _lead(out.state), out.loss[None]
 
     def sharing(state, residual, batch, threshold):
         st = _first(state)
-        updates, opt, mstate, rng, loss = steps.compute_update(st, _first(batch))
-        leaves, treedef = jax.tree_util.tree_flatten(updates)
+        u = steps.compute_update(st, _first(batch))
+        leaves, treedef = jax.tree_util.tree_flatten(u.updates)
         encoded = [encode_on_device(r + u.astype(jnp.float32), threshold)
                    for r, u in zip(jax.tree_util.tree_leaves(_first(residual)), leaves)]
         total = jax.lax.psum([moved for moved, _, _ in encoded], AXIS)
         st = steps.apply_update(st, jax.tree_util.tree_unflatten(treedef, [t.astype(u.dtype) for t, u in
-                                                                           zip(total, leaves)]), opt, mstate, rng)
+                                                                           zip(total, leaves)]),
+                                 u.opt_state, u.model_state, u.rng)
         count = sum(c for _, _, c in encoded)
         return _lead(st), _lead(jax.tree_util.tree_unflatten(treedef, [r for _, r, _ in encoded])), count[None]
 

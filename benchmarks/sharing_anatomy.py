@@ -68,9 +68,9 @@ def run(mode, n=2, epochs=8, lr=3e-3, seed=0, scale=1.0, noclip=0, flush=0, targ
         for r in range(0, len(batches) - n + 1, n):
             total, kept = np.zeros(size, np.float32), []
             for w in range(n):
-                u, opt, ms, rng, _ = compute(states[w], batches[r + w].jit_batch())
-                flat = np.asarray(ravel_pytree(u)[0])
-                kept.append((opt, ms, rng))
+                step = compute(states[w], batches[r + w].jit_batch())
+                flat = np.asarray(ravel_pytree(step.updates)[0])
+                kept.append((step.opt_state, step.model_state, step.rng))
                 if mode == "dense":
                     total += flat
                     continue

@@ -77,11 +77,12 @@ def fit(net, data, epochs=1, batch_size=32, shuffle=False, progress=False, steps
         # No host sync per step: steps queue up on the device while Python prepares
         # the next ones, and are checked and read back every _SYNC_EVERY steps.
         if len(group) == 1:
-            net.state, loss = net.steps.bare_step(net.state, group[0])
+            out = net.steps.bare_step(net.state, group[0])
         else:
             stacked = jax.tree_util.tree_map(lambda *a: np.stack(a), *group)
-            net.state, loss = net.steps.loop_steps(net.state, stacked)
-        window.append((group, loss))
+            out = net.steps.loop_steps(net.state, stacked)
+        net.state = out.state
+        window.append((group, out.loss))
         in_window += len(group)
         if in_window >= _SYNC_EVERY:
             first, start = _settle(net, window, start, first, bar, epochs=0)
@@ -207,14 +208,15 @@ def _settle(net, window, start, first, bar, epochs):
         net.state = net.steps.copy_state(start)  # train_step donates what it is given
         replayed = []
         for batch in batches:
-            net.state, loss, ok = net.steps.train_step(net.state, batch)
-            replayed.append((loss, ok))
+            out = net.steps.train_step(net.state, batch)
+            net.state = out.state
+            replayed.append((out.loss, out.finite))
         losses, oks = (np.asarray(v) for v in zip(*jax.device_get(replayed)))
         if net.on_nonfinite == "raise":
             bad = int(np.argmin(oks))
             net.state = start
             for batch in batches[:bad]:
-                net.state, _ = net.steps.bare_step(net.state, batch)
+                net.state = net.steps.bare_step(net.state, batch).state
             _record(net, range(first, first + bad), losses[:bad], bar)
             net.nonfinite(first + bad, float(losses[bad]))
         net.state = net.state.replace(epoch=net.state.epoch + epochs)

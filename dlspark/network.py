@@ -22,7 +22,7 @@ from ._fit import _SYNC_EVERY, batch_signature, one_shape  # noqa: F401  (their 
 from .data import as_dataset, load_minibatch
 from .errors import NonFiniteLossError
 
-__all__ = ["Network", "TrainState", "Steps", "build_steps"]
+__all__ = ["Network", "TrainState", "StepUpdate", "StepResult", "Steps", "build_steps", "step_figures"]
 
 _ON_NONFINITE = ("raise", "skip")
 
@@ -43,24 +43,67 @@ class TrainState:
     rng: jax.Array
 
 
+@struct.dataclass
+class StepUpdate:
+    """One step's update before it is applied (``Steps.compute_update``'s result).
+
+    ``updates`` is the updater's output for the step's gradients, ``opt_state``,
+    ``model_state`` and ``rng`` what follow the step, ``loss`` its loss, and
+    ``figures`` the step's own figures (:func:`step_figures`).
+    """
+
+    updates: Any
+    opt_state: Any
+    model_state: Any
+    rng: jax.Array
+    loss: jax.Array
+    figures: dict
+
+
+@struct.dataclass
+class StepResult:
+    """What a training step returns, as one pytree (it comes out of ``jax.jit`` and ``lax.scan``).
+
+    ``state`` is the state after the step; ``loss`` the step's loss; ``finite``
+    whether its loss and update were finite (for ``train_step``: whether it was
+    applied), ``None`` from the steps that do not check; ``figures`` the step's
+    own figures (:func:`step_figures`). The steps over stacked minibatches return
+    one record whose ``loss``, ``finite`` and ``figures`` have a leading axis, one
+    entry per minibatch.
+    """
+
+    state: Any
+    loss: jax.Array
+    finite: Any = None
+    figures: dict = struct.field(default_factory=dict)
+
+
+def step_figures(grads, updates) -> dict:
+    """A step's own figures, computed in the step from its gradients and update (a dict of
+    scalars; a statistic of every step is added here, and every step reports it). None yet:
+    each figure is work in every step."""
+    return {}
+
+
 class Steps(NamedTuple):
     """The jitted functions of one network; built once and reused for every step.
 
-    ``compute_update(state, batch) -> (updates, opt_state, model_state, rng, loss)``
-    and ``apply_update(state, updates, opt_state, model_state, rng) -> state``
-    split one training step so that a distributed master can act between
-    them; ``train_step(state, batch) -> (state, loss, applied)`` is both in
-    one program and leaves the state unchanged (``applied`` false) when the
-    loss or update is not finite. ``train_steps(state, batches) -> (state,
-    (losses, applied))`` runs ``train_step`` over minibatches stacked on a
-    leading axis, in one compiled call (``lax.scan``). ``bare_step(state,
-    batch) -> (state, loss)`` is the step with no check: it applies the update
-    whatever it holds (``train_step``'s check is a select over the whole state,
-    which on a large network costs a good part of a step), and ``bare_steps``
-    is it over stacked minibatches. ``checked_step(state, batch) -> (state,
-    loss, finite)`` is the bare step that also says whether its loss and update
-    were finite, for a caller that stops at the first bad step rather than skip
-    it (``checked_steps`` over stacked minibatches, as ``train_steps``). A loop
+    Every training step returns a :class:`StepResult` (state, loss, finite flag,
+    figures); over stacked minibatches, one whose loss, flag and figures are stacked.
+    ``compute_update(state, batch) -> StepUpdate`` and ``apply_update(state,
+    updates, opt_state, model_state, rng) -> state`` split one training step so
+    that a distributed master can act between them; ``train_step(state, batch)``
+    is both in one program and leaves the state unchanged (``finite`` false:
+    not applied) when the loss or update is not finite. ``train_steps(state,
+    batches)`` runs ``train_step`` over minibatches stacked on a leading axis, in
+    one compiled call (``lax.scan``). ``bare_step(state, batch)`` is the step with
+    no check (``finite`` is ``None``): it applies the update whatever it holds
+    (``train_step``'s check is a select over the whole state, which on a large
+    network costs a good part of a step), and ``bare_steps`` is it over stacked
+    minibatches. ``checked_step(state, batch)`` is the bare step that also says
+    whether its loss and update were finite, for a caller that stops at the first
+    bad step rather than skip it (``checked_steps`` over stacked minibatches, as
+    ``train_steps``). A loop
     checks many bare steps at once:
     ``all_finite(state)`` is false when a parameter is not finite (one that a
     non-finite update reached stays so), and together with the steps' losses it
@@ -68,7 +111,7 @@ class Steps(NamedTuple):
     they started from. ``window_end(state, losses, epochs) -> (state, copy of
     state, finite, stacked losses)`` is that check for ``Network.fit``'s
     windows; it also adds ``epochs`` to the epoch counter and copies the state
-    for the next window. ``loop_steps(state, batches) -> (state, losses)`` is
+    for the next window. ``loop_steps(state, batches)`` is
     ``bare_steps`` as a rolled loop: its compile time does not grow with the
     number of minibatches (each number and shape is still a program of its
     own), and it runs a dispatch-bound step faster than one call per step (but
@@ -135,7 +178,10 @@ def build_steps(model, loss, updater) -> Steps:
             state.params, state.model_state, batch, step_rng
         )
         updates, new_opt = updater.update(grads, state.opt_state, state.params)
-        return updates, new_opt, new_mstate, rng, value
+        return StepUpdate(updates, new_opt, new_mstate, rng, value, step_figures(grads, updates))
+
+    def applied(state, u):
+        return apply_update(state, u.updates, u.opt_state, u.model_state, u.rng)
 
     def apply_update(state, updates, opt_state, model_state, rng):
         return state.replace(
@@ -147,13 +193,13 @@ def build_steps(model, loss, updater) -> Steps:
         )
 
     def train_step(state, batch):
-        updates, opt, mstate, rng, value = compute_update(state, batch)
-        new = apply_update(state, updates, opt, mstate, rng)
-        ok = finite(value, updates)
+        u = compute_update(state, batch)
+        new = applied(state, u)
+        ok = finite(u.loss, u.updates)
         # A non-finite step leaves params and updater state as they were (the
         # rng still advances, so "skip" does not replay the same dropout mask).
-        kept = state.replace(rng=rng)
-        return jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, kept), value, ok
+        kept = state.replace(rng=u.rng)
+        return StepResult(jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, kept), u.loss, ok, u.figures)
 
     def all_leaves_finite(leaves):
         return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
@@ -162,8 +208,8 @@ def build_steps(model, loss, updater) -> Steps:
         return jnp.isfinite(value) & all_leaves_finite(jax.tree_util.tree_leaves(updates))
 
     def bare_step(state, batch):
-        updates, opt, mstate, rng, value = compute_update(state, batch)
-        return apply_update(state, updates, opt, mstate, rng), value
+        u = compute_update(state, batch)
+        return StepResult(applied(state, u), u.loss, None, u.figures)
 
     def copy_state(state):
         return jax.tree_util.tree_map(lambda x: x.copy(), state)
@@ -176,26 +222,22 @@ def build_steps(model, loss, updater) -> Steps:
         return state, copy_state(state), all_finite(state), jnp.stack(losses)
 
     def checked_step(state, batch):
-        updates, opt, mstate, rng, value = compute_update(state, batch)
-        return apply_update(state, updates, opt, mstate, rng), value, finite(value, updates)
+        u = compute_update(state, batch)
+        return StepResult(applied(state, u), u.loss, finite(u.loss, u.updates), u.figures)
 
-    def over_stacked(step):
-        """``step`` over minibatches stacked on a leading axis: ``(state, (losses, applied))``."""
+    def over_stacked(step, unroll=True):
+        """``step`` over minibatches stacked on a leading axis: one :class:`StepResult` whose
+        loss, flag and figures have the minibatches' axis. Unrolled by default: XLA's CPU
+        backend runs a rolled loop of convolutions many times slower."""
         def steps(state, batches):
             def body(st, batch):
-                st, value, ok = step(st, batch)
-                return st, (value, ok)
+                out = step(st, batch)
+                return out.state, out.replace(state=None)
 
-            # unrolled: XLA's CPU backend runs a rolled loop of convolutions many times slower
-            return jax.lax.scan(body, state, batches, unroll=True)
+            state, stacked = jax.lax.scan(body, state, batches, unroll=unroll)
+            return stacked.replace(state=state)
 
         return steps
-
-    def bare_steps(state, batches):
-        return jax.lax.scan(bare_step, state, batches, unroll=True)
-
-    def loop_steps(state, batches):
-        return jax.lax.scan(bare_step, state, batches)
 
     def all_finite(state):
         return all_leaves_finite([x for x in jax.tree_util.tree_leaves(state.params)
@@ -232,16 +274,22 @@ def build_steps(model, loss, updater) -> Steps:
         per_example_loss=jax.jit(per_example_loss),
         train_steps=jax.jit(over_stacked(train_step), donate_argnums=(0,)),
         bare_step=jax.jit(bare_step, donate_argnums=(0,)),
-        bare_steps=jax.jit(bare_steps, donate_argnums=(0,)),
+        bare_steps=jax.jit(_named(over_stacked(bare_step), "bare_steps"), donate_argnums=(0,)),
         checked_step=jax.jit(checked_step, donate_argnums=(0,)),
         checked_steps=jax.jit(over_stacked(checked_step), donate_argnums=(0,)),
         all_finite=jax.jit(all_finite),
         window_end=jax.jit(window_end, donate_argnums=(0,)),
         copy_state=jax.jit(copy_state),
-        loop_steps=jax.jit(loop_steps, donate_argnums=(0,)),
+        loop_steps=jax.jit(_named(over_stacked(bare_step, unroll=1), "loop_steps"), donate_argnums=(0,)),
         kept_step=jax.jit(kept_step),
     )
     return steps
+
+
+def _named(fn, name):
+    """``fn`` under ``name``, the name its compiled program is known by (``jit(name)``)."""
+    fn.__name__ = fn.__qualname__ = name
+    return fn
 
 
 def _to_device_batch(ds):
@@ -440,9 +488,9 @@ class Network:
             raise ValueError("the minibatch holds no examples: a step needs at least one")
         self.check_batch(ds)
         it = int(self.state.step)
-        self.state, loss, ok = self.steps.train_step(self.state, _to_device_batch(ds))
-        loss = float(loss)
-        if not bool(ok):
+        out = self.steps.train_step(self.state, _to_device_batch(ds))
+        self.state, loss = out.state, float(out.loss)
+        if not bool(out.finite):
             self.nonfinite(it, loss)
             return loss
         self.score_history.append((it, loss))

@@ -34,8 +34,8 @@ def _by_hand(net, batches, workers, k, tx=None):
                 continue
             st = states[w]
             for i in share:
-                st, _, _ = net.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
-                                                jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch()))
+                st = net.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
+                                          jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch())).state
             pseudo = jax.tree_util.tree_map(lambda s, p, e: np.asarray(s - p, np.float32) + e, x0, st.params, errors[w])
             q = jax.tree_util.tree_map(lambda g: np.asarray(jnp.asarray(g).astype(jnp.bfloat16)), pseudo)
             errors[w] = jax.tree_util.tree_map(lambda g, b: g - b.astype(np.float32), pseudo, q)

@@ -420,10 +420,12 @@ def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_tim
     one = jax.tree_util.tree_map(jnp.copy, net.state)
     losses = []
     for b in batches:
-        one, loss, _ = net.steps.train_step(one, b)
-        losses.append(loss)
+        out = net.steps.train_step(one, b)
+        one = out.state
+        losses.append(out.loss)
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batches)
-    fused, (fused_losses, oks) = net.steps.train_steps(jax.tree_util.tree_map(jnp.copy, net.state), stacked)
+    out = net.steps.train_steps(jax.tree_util.tree_map(jnp.copy, net.state), stacked)
+    fused, fused_losses, oks = out.state, out.loss, out.finite
     assert bool(np.all(oks))
     np.testing.assert_array_equal(np.asarray(fused_losses), np.asarray(losses))
     for x, y in zip(jax.tree_util.tree_leaves(fused), jax.tree_util.tree_leaves(one)):

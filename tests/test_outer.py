@@ -106,7 +106,7 @@ def _outer_loop_here(make_net, batches, workers, freq, lr, outer):
         for w in names:
             st = jax.tree_util.tree_map(np.copy, state)
             for i in p.assignment[w]:
-                st, _, _ = net.steps.train_step(st, jax.tree_util.tree_map(np.asarray, batches[i].jit_batch()))
+                st = net.steps.train_step(st, jax.tree_util.tree_map(np.asarray, batches[i].jit_batch())).state
             fitted.append(jax.tree_util.tree_leaves(st))
         plan.complete_round(p, names)
         treedef = jax.tree_util.tree_structure(state)

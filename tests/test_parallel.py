@@ -49,8 +49,8 @@ def _by_hand(net, batches, workers, freq, save_updater=True, tx=None):
             if not save_updater:
                 st = st.replace(opt_state=net.updater.init(st.params))
             for i in share:
-                st, _, _ = net.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
-                                                jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch()))
+                st = net.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
+                                          jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch())).state
             rngs[w] = st.rng
             states.append(st)
 
@@ -238,7 +238,7 @@ def _sharing_by_hand(net, batches, devices, threshold):
     for j in range(0, len(batches), devices):
         total = np.zeros(flat.size, np.float32)
         for i, b in enumerate(batches[j:j + devices]):
-            updates = net.steps.compute_update(net.state.replace(params=params), b.jit_batch())[0]
+            updates = net.steps.compute_update(net.state.replace(params=params), b.jit_batch()).updates
             residuals[i] += np.asarray(ravel_pytree(updates)[0])
             enc = threshold_encode(residuals[i], threshold, out=residuals[i], min_count=2)
             total += decode(enc.message)

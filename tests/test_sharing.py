@@ -252,7 +252,7 @@ def test_the_sharing_step_reuses_the_updater_buffers_unless_a_skipped_step_needs
     assert sharing_functions(net) is fns  # built once per network and policy
     state = jax.device_put(net.state, jax.devices()[0])
     old = jax.tree_util.tree_leaves(state.opt_state)
-    expected_step = net.steps.bare_step(jax.tree_util.tree_map(lambda a: a.copy(), state), tr[:32].jit_batch())[0]
+    expected_step = net.steps.bare_step(jax.tree_util.tree_map(lambda a: a.copy(), state), tr[:32].jit_batch()).state
     pieces, opt, ms, rng, loss, finite = fns.update(state, state.opt_state, tr[:32].jit_batch())
     flat, apply_flat = np.concatenate([np.asarray(p) for p in pieces]), fns.apply_flat
     deleted = [a.is_deleted() for a in old if a.size > 1]  # the moments, not Adam's step count
@@ -298,7 +298,7 @@ def test_the_update_in_pieces_keeps_the_updates_dtype_for_low_precision_paramete
     net = dlspark.Network(dlspark.Model.from_flax(HalfMLP(), tr[:1].features), loss="softmax_cross_entropy",
                           updater=optax.adam(1e-2, mu_dtype=jnp.float32), on_nonfinite="skip")
     batch = tr[:32].jit_batch()
-    flat = np.asarray(ravel_pytree(net.steps.compute_update(net.state, batch)[0])[0])
+    flat = np.asarray(ravel_pytree(net.steps.compute_update(net.state, batch).updates)[0])
     pieces = sharing_functions(net).update(net.state, net.state.opt_state, batch)[0]
     assert {p.dtype for p in pieces} == {flat.dtype}
     residual = np.zeros(flat.size, np.float32)

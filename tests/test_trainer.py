@@ -43,8 +43,8 @@ def _simulate(make_net, batches, workers, freq, save_updater):
             if len(share) and not save_updater:
                 st = st.replace(opt_state=ref.updater.init(st.params))
             for i in share:
-                st, _, _ = ref.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
-                                                jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch()))
+                st = ref.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
+                                          jax.tree_util.tree_map(np.asarray, chunk[i].jit_batch())).state
             states.append((st, len(share) > 0))
         fitted = [st for st, fit in states if fit]
 

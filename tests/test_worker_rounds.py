@@ -104,8 +104,8 @@ def test_averaging_again_over_fewer_contributors_starts_from_the_stored_inputs(c
         np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(x, z)
     # a's own fit of minibatch 0, computed here: what a and c must hold after b's loss
-    st, _, _ = net.steps.train_step(jax.tree_util.tree_map(np.copy, net.state),
-                                    jax.tree_util.tree_map(np.asarray, load_minibatch(urls[0]).jit_batch()))
+    st = net.steps.train_step(jax.tree_util.tree_map(np.copy, net.state),
+                              jax.tree_util.tree_map(np.asarray, load_minibatch(urls[0]).jit_batch())).state
     for x, y, want, m in zip(*only_a, _leaves(st), mean[0]):
         np.testing.assert_array_equal(x, y)
         np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-6)
@@ -196,8 +196,8 @@ def test_three_contributors_average_in_shares_with_the_bits_of_the_full_mean(cli
     # the mean of the three fits, computed here (no dropout: the rank's RNG does not matter)
     fitted = []
     for u in urls:
-        st, _, _ = net.steps.train_step(jax.tree_util.tree_map(np.copy, net.state),
-                                        jax.tree_util.tree_map(np.asarray, load_minibatch(u).jit_batch()))
+        st = net.steps.train_step(jax.tree_util.tree_map(np.copy, net.state),
+                                  jax.tree_util.tree_map(np.asarray, load_minibatch(u).jit_batch())).state
         fitted.append(_leaves(st))
     for x, w in zip(_leaves(states[0]), average_leaves(fitted[0], fitted)):
         np.testing.assert_allclose(x, w, rtol=1e-5, atol=1e-6)

@@ -72,8 +72,9 @@ class ReplicaRun(WorkerRun):
         state = self.state.replace(epoch=jnp.asarray(epoch, jnp.int32))
         base_step, losses, sizes = int(state.step), [], []
         for n, batch in self.batches(refs):
-            state, loss, ok = steps.train_step(state, batch)
-            losses.append((loss, ok))
+            out = steps.train_step(state, batch)
+            state = out.state
+            losses.append((out.loss, out.finite))
             sizes.append(n)
         self.state = state
         losses = jax.device_get(losses)

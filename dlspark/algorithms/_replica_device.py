@@ -76,8 +76,9 @@ class ReplicaDeviceRun:
                     ds = rt.load(refs[i])
                     examples += len(ds)
                     sizes[r].append(len(ds))
-                    st, loss, ok = step(st, jax.device_put(ds.jit_batch(), ex.devices[r]))
-                    losses[r].append((loss, ok))
+                    out = step(st, jax.device_put(ds.jit_batch(), ex.devices[r]))
+                    st = out.state
+                    losses[r].append((out.loss, out.finite))
                 states[r] = st
             t_fit = time.perf_counter() - t0
             done_before = planner.trained_total

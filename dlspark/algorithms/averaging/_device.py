@@ -146,7 +146,8 @@ def _round_function(net, master, exchange, fit: bool):
         if fit:
             start = st.params
             st = start_round(st, net.updater, master.save_updater, epoch)
-            st, (losses, oks) = run_steps(st, first(batches))
+            out = run_steps(st, first(batches))
+            st, losses, oks = out.state, out.loss, out.finite
         else:
             start = first(start)
         # in a fitting call every replica has minibatches: all of them contribute
@@ -177,8 +178,8 @@ def _step_function(net, master, exchange, first_step: bool, donate: bool):
         st = first(state)
         if first_step:
             st = start_round(st, net.updater, master.save_updater, epoch)
-        st, loss, ok = step(st, first(batch))
-        return lead(st), loss[None], ok[None]
+        out = step(st, first(batch))
+        return lead(out.state), out.loss[None], out.finite[None]
 
     return exchange.spmd(local, replicated=(2,), donate=(0,) if donate else ())
 
@@ -327,8 +328,9 @@ class AveragingDeviceRun:
             st = start_round(first(mine), net.updater, master.save_updater, jax.device_put(epoch, dev))
             ls, ks = [], []
             for b in own:  # one step at a time: one compilation per device and shape serves every such round
-                st, x, ok = step(st, b)
-                ls.append(x), ks.append(ok)
+                out = step(st, b)
+                st = out.state
+                ls.append(out.loss), ks.append(out.finite)
             parts.append(lead(st))
             losses.append(ls), oks.append(ks)  # read back later: the next device starts meanwhile
         fitted = ex.stack(parts)

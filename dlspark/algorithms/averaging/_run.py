@@ -149,12 +149,14 @@ class AveragingRun(WorkerRun):
             stack = np.stack if self.on_cpu else jnp.stack
             stacked = jax.tree_util.tree_map(lambda *xs: stack(xs), *[b for _, b in staged])
             rolled = not self.net._step_convolves(staged[0][1], state)
-            state, losses = (steps.loop_steps if rolled else steps.bare_steps)(state, stacked)
+            out = (steps.loop_steps if rolled else steps.bare_steps)(state, stacked)
+            state, losses = out.state, out.loss
             rec.mark("fit", examples=sum(n for n, _ in staged), steps=len(staged))
         else:
             source, staged = staged or self.batches(refs), []
             for n, batch in source:
-                state, loss = (steps.bare_step if staged else steps.kept_step)(state, batch)
+                out = (steps.bare_step if staged else steps.kept_step)(state, batch)
+                state, loss = out.state, out.loss
                 if rec.on:  # each minibatch's own time: wait for its step (only while recording)
                     loss.block_until_ready()
                     rec.mark("fit", examples=n)
@@ -169,8 +171,9 @@ class AveragingRun(WorkerRun):
             state = steps.copy_state(start) if self.outer is not None else start
             replayed = []
             for _, batch in staged:
-                state, loss, ok = steps.train_step(state, batch)
-                replayed.append((loss, ok))
+                out = steps.train_step(state, batch)
+                state = out.state
+                replayed.append((out.loss, out.finite))
             losses, oks = (np.asarray(v) for v in zip(*jax.device_get(replayed)))
             oks = oks.astype(bool)
         self.state = state

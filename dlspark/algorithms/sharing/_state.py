@@ -80,14 +80,14 @@ def _sharing_functions(steps, params, donate_updater) -> SharingFunctions:
     unravel = ravel_pytree(params)[1]
 
     def update(state, opt_state, batch):
-        updates, opt, ms, rng, loss = steps.compute_update(state.replace(opt_state=opt_state), batch)
-        leaves = jax.tree_util.tree_leaves(updates)
+        u = steps.compute_update(state.replace(opt_state=opt_state), batch)
+        leaves = jax.tree_util.tree_leaves(u.updates)
         dtype = jnp.result_type(*leaves)  # what ravel_pytree(updates) would give: the updates' own
         pieces = [jnp.ravel(u).astype(dtype) for u in leaves]
-        finite = jnp.isfinite(loss)
+        finite = jnp.isfinite(u.loss)
         for piece in pieces:  # checked here, fused with the update, rather than in a host pass
             finite = finite & jnp.all(jnp.isfinite(piece))
-        return pieces, opt, ms, rng, loss, finite
+        return pieces, u.opt_state, u.model_state, u.rng, u.loss, finite
 
     def flat_update(state, opt_state, batch):
         pieces, *rest = update(state, opt_state, batch)
