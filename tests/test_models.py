@@ -15,6 +15,7 @@ import sys  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -183,6 +184,57 @@ def test_several_inputs_and_outputs(kind, tmp_path):
     net.save(str(tmp_path / "two.dls"))
     back = Network.load(str(tmp_path / "two.dls")).output((xa, xb))
     np.testing.assert_array_equal(back[0], cls_out)
+
+
+class NnxSeq(nnx.Module):
+    """Masked mean of a sequence's steps, then a linear layer: padded steps must not count."""
+
+    def __init__(self, rngs):
+        self.l = nnx.Linear(3, 2, rngs=rngs)
+
+    def __call__(self, x, mask=None):
+        m = jnp.ones(x.shape[:2]) if mask is None else mask
+        return self.l((x * m[..., None]).sum(1) / jnp.maximum(m.sum(1, keepdims=True), 1.0))
+
+
+class EqxSeq(eqx.Module):
+    """The same for one example (the adapter vmaps it over the batch, mask included)."""
+
+    l: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.l = eqx.nn.Linear(3, 2, key=key)
+
+    def __call__(self, x, *, mask=None):
+        m = jnp.ones(x.shape[:1]) if mask is None else mask
+        return self.l((x * m[:, None]).sum(0) / jnp.maximum(m.sum(), 1.0))
+
+
+@pytest.mark.parametrize("kind", ["nnx", "equinox"])
+def test_masked_sequences_reach_the_model(kind):
+    # sequences of 2-6 steps padded to 6: the features mask reaches the module's mask parameter in
+    # inference and in training, so whatever the padding holds changes nothing
+    rng = np.random.default_rng(0)
+    n, t = 64, 6
+    lengths = rng.integers(2, t + 1, size=n)
+    mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+    x = rng.normal(size=(n, t, 3)).astype(np.float32)
+    y = (x[:, 0, 0] > 0).astype(np.int32)
+    padded = np.where(mask[..., None] > 0, x, 0.0).astype(np.float32)
+    garbage = np.where(mask[..., None] > 0, x, 100.0).astype(np.float32)
+    ex = x[:1]
+    make = {"nnx": lambda: Model.from_nnx(NnxSeq, ex),
+            "equinox": lambda: Model.from_equinox(EqxSeq(jax.random.PRNGKey(0)), ex)}[kind]
+    assert make().uses_features_mask
+    nets = [Network(make(), updater=optax.sgd(0.1)) for _ in range(2)]
+    out = [net.output(a, features_mask=mask) for net, a in zip(nets, (padded, garbage))]
+    np.testing.assert_allclose(out[0], out[1], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(nets[1].output(garbage), out[1], atol=1e-3)  # without the mask, the padding counts
+    for net, a in zip(nets, (padded, garbage)):
+        net.fit(dlspark.DataSet(a, y, features_mask=mask), epochs=2, batch_size=16)
+    assert nets[0].iteration == 8
+    for a, b in zip(jax.tree_util.tree_leaves(nets[0].params), jax.tree_util.tree_leaves(nets[1].params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("module,call", [("flax.nnx", "from_nnx"), ("equinox", "from_equinox"), ("keras", "from_keras")])
