@@ -59,10 +59,36 @@ def test_an_empty_frame_is_refused(digits):
     empty = pd.DataFrame({"a": np.zeros(0), "y": np.zeros(0, np.int64)})
     with pytest.raises(ValueError, match=r"the frame has no rows \(columns \['a', 'y'\]\)"):
         frame_columns(empty, "a", "y")
-    # a dask frame's rows are counted where they are, once cut: none gives the same error, before any step
-    net = dlspark.Network(dlspark.Model.from_flax(MLP(), np.zeros((1, 1), np.float32)))
-    with pytest.raises(ValueError, match="the frame has no rows"):
-        net.fit(frame_columns(dd.from_pandas(empty, npartitions=2), "a", "y"))
+    # a dask frame: refused by frame_columns, before any fit; dask's metadata knows a pandas-backed
+    # frame's partition lengths, so nothing is computed
+    with dask.config.set(scheduler=_refuse_compute):
+        with pytest.raises(ValueError, match=r"the dask DataFrame 'frompandas-\w+' has no rows in any of its 2 "
+                                             r"partitions \(columns \['a', 'y'\]\): training and evaluation need"):
+            frame_columns(dd.from_pandas(empty, npartitions=2), "a", "y")
+    # a generated frame (no lengths in its metadata): the first partition is counted, and only when
+    # it is empty every partition; a frame whose rows come later is taken
+    meta = pd.DataFrame({"a": np.zeros(0), "y": np.zeros(0, np.int64)})
+    _CALLS.clear()
+    with dask.config.set(scheduler="sync"):
+        frame_columns(dd.from_map(_rows, [3, 0, 0], meta=meta), "a", "y")
+        assert _CALLS == [3]
+        _CALLS.clear()
+        frame_columns(dd.from_map(_rows, [0, 0, 2], meta=meta), "a", "y")
+        assert sorted(_CALLS) == [0, 0, 0, 2]  # the first counted alone, then all
+        with pytest.raises(ValueError, match=r"the dask DataFrame '[\w-]+' has no rows in any of its 3"):
+            frame_columns(dd.from_map(_rows, [0, 0, 0], meta=meta), "a", "y")
+
+
+_CALLS = []
+
+
+def _rows(n):
+    _CALLS.append(n)
+    return pd.DataFrame({"a": np.zeros(n), "y": np.zeros(n, np.int64)})
+
+
+def _refuse_compute(dsk, keys, **kwargs):
+    raise AssertionError(f"computed {keys}")
 
 
 def test_a_bare_dask_frame_gets_the_call_that_names_its_columns():

@@ -136,7 +136,8 @@ def frame_columns(frame, features, labels=None, weight=None) -> FrameColumns:
     ------
     ValueError
         A column that is not in the frame, a list column of varying length, or a
-        pandas frame with no rows.
+        frame with no rows (a dask frame's partition lengths come from its metadata
+        where dask has them, else its first partition is counted on the cluster).
     TypeError
         A column that is not numeric.
 
@@ -170,7 +171,29 @@ def frame_columns(frame, features, labels=None, weight=None) -> FrameColumns:
     if isinstance(frame, pd.DataFrame) and len(frame) == 0:
         raise ValueError(f"the frame has no rows (columns {list(frame.columns)[:20]}): training and evaluation "
                          "need at least one example")
+    if not isinstance(frame, pd.DataFrame) and not _has_rows(frame):
+        raise ValueError(f"the dask DataFrame {getattr(frame, '_name', '')!r} has no rows in any of its "
+                         f"{frame.npartitions} partitions (columns {list(frame.columns)[:20]}): training and "
+                         "evaluation need at least one example")
     return FrameColumns(frame, feature_cols, label_cols, weight_col)
+
+
+def _has_rows(frame) -> bool:
+    """Whether a dask frame has a row, known before any training work: from dask's own metadata
+    where it has the partition lengths (pandas partitions, Parquet footers), else by counting the
+    first partition's rows and, only where it has none, every partition's (on the cluster; only
+    the counts come back)."""
+    try:
+        from dask.dataframe.dask_expr._expr import Lengths, Literal
+
+        lengths = Lengths(frame.expr).optimize()
+        if isinstance(lengths, Literal):
+            return sum(lengths.value) > 0
+    except (ImportError, AttributeError):  # another dask: count
+        pass
+    if len(frame.partitions[0]):
+        return True
+    return frame.npartitions > 1 and int(frame.map_partitions(len).sum().compute()) > 0
 
 
 def parquet_columns(urls, features, labels=None, storage_options: dict | None = None, *, weight: str | None = None,
