@@ -69,7 +69,10 @@ class ReplicaDeviceRun:
             epoch = np.int32(base_epoch + plan.epoch)
             # the round's start, kept (the steps donate the state they are given)
             starts = [jax.tree_util.tree_map(jnp.copy, s.params) for s in states]
-            losses, examples, sizes = {r: [] for r in ranks}, 0, {r: [] for r in ranks}
+            # per replica: (loss, finite) and the examples of each of its steps
+            losses: dict[int, list] = {r: [] for r in ranks}
+            sizes: dict[int, list] = {r: [] for r in ranks}
+            examples = 0
             for r in ranks:
                 st = states[r].replace(epoch=jax.device_put(epoch, ex.devices[r]))
                 for i in plan.assignment.get(r) or ():

@@ -233,7 +233,8 @@ class AveragingDeviceRun:
         leaves = jax.tree_util.tree_leaves(net.state)
         mixed = sum(leaves[i].nbytes for i in averaged_indices(net.state, master.save_updater))
         sizes = (mixed, mixed)  # a cluster's contribution carries the averaged leaves only
-        stats, pending, last = [], None, [time.perf_counter(), 0.0]
+        stats: list = []
+        pending, last = None, [time.perf_counter(), 0.0]
 
         def settle(p):
             """Read a round's losses back (one host sync) and account for it."""

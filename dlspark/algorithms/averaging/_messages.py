@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,7 +47,7 @@ class SharedContribution(Reply):
 class Share(Reply):
     """A contributor's averaged share of the floating-point elements."""
 
-    values: list = ()
+    values: Sequence = ()
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ sparse message would exceed ``length / 16`` words.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +33,8 @@ EMPTY, SPARSE, BITMAP = 0, 1, 2
 HEADER_WORDS = 4
 
 
-class Encoded(NamedTuple):
+@dataclass(frozen=True)
+class Encoded:
     """The result of :func:`threshold_encode`."""
 
     message: np.ndarray  # int32, header + payload

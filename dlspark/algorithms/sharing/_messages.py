@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -60,7 +61,7 @@ class NextRoundOrder(Order):
 class Messages(Reply):
     """Messages a peer asked for, in the order of its keys."""
 
-    messages: list = ()
+    messages: Sequence = ()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import jax
@@ -129,7 +130,8 @@ def sharing_functions(net) -> SharingFunctions:
     return cache[donate]
 
 
-class Encoded(NamedTuple):
+@dataclass(frozen=True)
+class Encoded:
     """One replica's step after :func:`encode_step`."""
 
     message: np.ndarray

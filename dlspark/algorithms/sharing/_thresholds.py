@@ -132,7 +132,11 @@ def quantile_threshold(update: np.ndarray, sparsity: float) -> float:
 
 
 class _Threshold:
-    warmup = 0
+    """What the threshold algorithms below share; each is a frozen dataclass with an
+    ``initial`` threshold (``None``: found in a warm-up) and a ``warmup``."""
+
+    initial: float | None
+    warmup: int = 0
 
     def _first_sparsity(self) -> float:
         """The sparsity the warm-up's thresholds send (where ``initial`` is None)."""

@@ -15,7 +15,7 @@ def tree_links(workers, fanout: int) -> dict:
     if fanout < 1:
         raise ValueError(f"fanout must be >= 1, got {fanout!r}")
     ws = sorted(workers)
-    links = {w: [] for w in ws}
+    links: dict = {w: [] for w in ws}
     for i, w in enumerate(ws[1:], start=1):
         parent = ws[(i - 1) // fanout]
         links[w].append(parent)
