@@ -27,7 +27,8 @@ from .data._sources import SourceContext, evaluation_parts, in_memory_examples, 
 from .data._sources import keyed_features as require_keyed
 
 __all__ = ["network_blob", "scatter_network", "do_evaluation", "predict_with_keys", "score_examples",
-           "evaluate_part", "evaluate_dataset", "evaluation_outputs", "merge_evaluations", "predict_stacked", "predict_part", "score_part"]
+           "evaluate_part", "evaluate_dataset", "evaluation_outputs", "merge_evaluations", "predict_stacked", "predict_part", "score_part",
+           "score_frame"]
 
 
 # -- the network, as workers rebuild it ---------------------------------------------
@@ -292,6 +293,10 @@ def score_examples(client, net_future, data, batch_size, n_workers=1):
     n_workers : int
         The examples are split into ``2 * n_workers`` contiguous parts.
     """
+    from .data._frames import FrameColumns, _is_dask
+
+    if isinstance(data, FrameColumns) and _is_dask(data.frame):
+        return score_frame(net_future, data, batch_size)
     keyed = keyed_items(data, of="examples")
     if keyed is not None:
         return _score_keyed(client, net_future, keyed, batch_size, n_workers)
@@ -301,6 +306,32 @@ def score_examples(client, net_future, data, batch_size, n_workers=1):
     pieces = client.scatter([[ds[i:i + step]] for i in range(0, len(ds), step)], hash=False)
     futures = [client.submit(score_part, net_future, p, batch_size, pure=False) for p in pieces]
     return np.concatenate(client.gather(futures))
+
+
+def score_frame(net_future, cols, batch_size):
+    """Per-example losses of a dask frame's rows (:class:`~dlspark.data.FrameColumns` with labels),
+    as a lazy dask Series named ``"score"`` with the frame's index and partitions: each partition is
+    scored in a task where it lives, and nothing runs until the Series is computed or persisted."""
+    import pandas as pd
+
+    if cols.labels is None:
+        raise ValueError("score_examples needs label columns: name them with labels=[...]")
+    meta = pd.Series(np.zeros(0, np.float32), index=cols.frame._meta.index, name="score")
+    return cols.frame.map_partitions(_score_frame_partition, net_future, cols.features, cols.labels, batch_size,
+                                     meta=meta)
+
+
+def _score_frame_partition(part, blob, features, labels, batch_size):
+    """Runs on a worker: one partition's per-example losses, indexed as its rows."""
+    import pandas as pd
+
+    from .data import DataSet
+    from .data._frames import frame_arrays
+
+    if len(part) == 0:
+        return pd.Series(np.zeros(0, np.float32), index=part.index, name="score")
+    losses = _network(blob).score_examples(DataSet(*frame_arrays(part, features, labels)), batch_size)
+    return pd.Series(np.asarray(losses, np.float32), index=part.index, name="score")
 
 
 def _score_keyed(client, net_future, keyed, batch_size, n_workers):

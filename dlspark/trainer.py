@@ -129,7 +129,7 @@ class DistributedTrainer:
         self.published: dict = {}
         # {worker: (job, digests)} of the states the workers kept from the last fit: the next
         # fit sends each only what differs (dlspark.distributed._kept)
-        self.kept_states: dict = {}
+        self._kept_states: dict = {}
         self._exports = Exports()
         install_plugins(client, pin)
         if self._cluster is not None:
@@ -331,16 +331,24 @@ class DistributedTrainer:
         return _inf.predict_with_keys(self.client, self._network_future(), keyed_features, batch_size,
                                       features_mask, self._workers())
 
-    def score_examples(self, data, include_regularization: bool = False, batch_size: int | None = None):
+    def score_examples(self, data, include_regularization: bool = False, batch_size: int | None = None, *,
+                       features=None, labels=None):
         """Per-example loss (DL4J's ``scoreExamples``): a DataSet gives an array in example
         order; keyed examples (a dict or list of ``(key, DataSet)``) give the same kind, keyed.
+        A dask DataFrame (``features`` and ``labels`` naming its columns) gives a lazy dask
+        Series of the losses with the frame's index and partitions, scored where each
+        partition lives (compute or persist it; nothing reaches the client before).
         Weight decay lives in the optax updater, so ``include_regularization`` changes nothing."""
+        data = _named_columns(data, features, labels)
         return _inf.score_examples(self.client, self._network_future(), data, batch_size or self.eval_batch_size,
                                    len(self._workers()))
 
-    def calculate_score(self, data, average: bool = True, batch_size: int | None = None) -> float:
+    def calculate_score(self, data, average: bool = True, batch_size: int | None = None, *, features=None,
+                        labels=None) -> float:
         """Total (or, with ``average``, mean per example) loss over ``data`` (DL4J's ``calculateScore``)."""
-        losses = self.score_examples(data, batch_size=batch_size)
+        losses = self.score_examples(data, batch_size=batch_size, features=features, labels=labels)
+        if hasattr(losses, "__dask_graph__"):  # a frame's losses: reduced where they are
+            return float((losses.mean() if average else losses.sum()).compute())
         if isinstance(losses, dict):  # keyed examples: their losses, whatever the keys
             losses = np.concatenate([np.ravel(v) for v in losses.values()])
         elif isinstance(losses, list):

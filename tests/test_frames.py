@@ -136,7 +136,27 @@ def test_fit_evaluate_and_keyed_inference_from_a_dask_frame(client2, make_net, d
     assert sorted(out) == list(range(len(te)))
     want = net.output(te.features)
     np.testing.assert_allclose(np.stack([out[i] for i in range(len(te))]), want, rtol=1e-5, atol=1e-5)
+    # scoring: a lazy dask Series, each partition scored where it lives; computing it sends the
+    # client the losses (a few bytes a row), never a partition's features
+    scores = trainer.score_examples(shuffled, features=FEATURES, labels="label")
+    assert dask.is_dask_collection(scores) and scores.npartitions == shuffled.npartitions
+    before = _sent_to_non_workers(client2)
+    got = scores.compute()
+    sent = _sent_to_non_workers(client2) - before
+    part_bytes = len(te) // 3 * len(FEATURES) * 4
+    assert 0 < sent < part_bytes / 4, f"{sent} bytes left the workers for the client; a partition is {part_bytes}"
+    np.testing.assert_allclose(got.sort_index().to_numpy(), net.score_examples(te), rtol=1e-4, atol=1e-6)
+    assert trainer.calculate_score(shuffled, features=FEATURES, labels="label") == pytest.approx(
+        float(net.score_examples(te).mean()), rel=1e-4)
     trainer.close()
+
+
+def _sent_to_non_workers(client):
+    """Bytes the workers have sent (Dask's get_data, logged in each worker's transfer_outgoing_log)
+    to anything that is not a worker: the client, or the scheduler gathering for it."""
+    workers = set(client.scheduler_info()["workers"])
+    logs = client.run(lambda dask_worker: [(e["who"], e["total"]) for e in dask_worker.transfer_outgoing_log])
+    return sum(total for log in logs.values() for who, total in log if who not in workers)
 
 
 @pytest.mark.slow
