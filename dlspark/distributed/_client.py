@@ -18,6 +18,7 @@ from distributed.protocol import to_serialize
 
 from ..checkpoint import read_checkpoint_meta, state_from_arrays, state_to_arrays
 from ..errors import CheckpointError, JobFailedError
+from ._kept import digests, sent_bytes, thin
 from ._messages import JobOptions, JobSpec
 
 __all__ = ["run_fit", "setup_workers", "fetch_state", "fetch_state_from_any", "checked", "install_plugins",
@@ -87,11 +88,25 @@ def checked(resp):
     return resp
 
 
-async def setup_workers(client, workers, job, spec: bytes, state: dict):
-    """Set the job up on ``workers``; ``state``: the train state as :func:`state_to_arrays` gives it."""
-    for r in await asyncio.gather(*[client.rpc(w).dlspark_setup(job=job, spec=spec, state=to_serialize(state), rank=i)
-                                    for i, w in enumerate(workers)]):
-        checked(r)
+async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: dict | None = None) -> int:
+    """Set the job up on ``workers``; ``state``: the train state as :func:`state_to_arrays` gives it.
+
+    ``kept``: ``{worker: (key, digests)}`` of the states workers kept from the last fit (see
+    ``_kept``): such a worker is sent only the arrays that differ from its own, and everything
+    if it no longer holds them. Returns the bytes sent (the spec and the arrays)."""
+    kept = {w: k for w, k in (kept or {}).items() if w in workers and k[1] is not None}
+    mine = await asyncio.get_running_loop().run_in_executor(None, digests, state["arrays"]) if kept else None
+
+    async def one(rank, w):
+        if w in kept:
+            thinned = thin(state, mine, *kept[w])
+            r = checked(await client.rpc(w).dlspark_setup(job=job, spec=spec, state=to_serialize(thinned), rank=rank))
+            if not r.get("missing"):
+                return len(spec) + sent_bytes(thinned)
+        checked(await client.rpc(w).dlspark_setup(job=job, spec=spec, state=to_serialize(state), rank=rank))
+        return len(spec) + sent_bytes(state)
+
+    return sum(await asyncio.gather(*[one(i, w) for i, w in enumerate(workers)]))
 
 
 async def fetch_state(client, worker, job, step, epoch) -> dict:
@@ -200,8 +215,10 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     lost = False
     try:
         st = ClientSide(client, export_span) if master.collect_training_stats else NoClientSide()
-        with st.span("broadcast", bytes=(len(spec) + sum(a.nbytes for a in state["arrays"])) * len(workers)):
-            client.sync(setup_workers, client, workers, job, spec, state)
+        with st.span("broadcast") as span:
+            sent = client.sync(setup_workers, client, workers, job, spec, state, trainer._kept_states)
+            if hasattr(span, "fields"):
+                span.fields["bytes"] = sent
         run = dict(job=job, workers=workers, spec=spec, partitions=partitions, master=cloudpickle.dumps(master),
                    options=asdict(options), client=client.id)
         if master.collect_training_stats:  # the start and the wait, each timed on its own
@@ -213,8 +230,8 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             result = checked(client.sync(client.scheduler.dlspark_start, wait=True, **run))["result"]
         step, epoch = base_step + result.trained, base_epoch + epochs
         with st.span("fetch_state"):
-            source, final, divergence = client.sync(_final_state, client, list(result.workers), job, step, epoch,
-                                                    master.compare_replicas())
+            source, final, divergence, trainer._kept_states = client.sync(
+                _fit_end, client, list(result.workers), job, step, epoch, master.compare_replicas())
         net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
         if divergence is not None:
@@ -266,6 +283,25 @@ async def _replica_differences(client, job, source, others):
             return None
 
     return await asyncio.gather(*[one(w) for w in others])
+
+
+async def _keep_states(client, workers, job, step, epoch) -> dict:
+    """``{worker: (job, digests)}``: every replica keeps its trained state for the next fit (see
+    ``_kept``); a replica that cannot is left out (the next fit sends it everything)."""
+    async def one(w):
+        try:
+            return w, (job, checked(await client.rpc(w).dlspark_keep(job=job, step=step, epoch=epoch))["digests"])
+        except Exception:  # lost since the job ended
+            return w, None
+
+    return {w: k for w, k in await asyncio.gather(*[one(w) for w in workers]) if k is not None and k[1] is not None}
+
+
+async def _fit_end(client, workers, job, step, epoch, compare: bool):
+    """:func:`_final_state` and, meanwhile, :func:`_keep_states`: ``(source, state, divergence, kept)``."""
+    ended, kept = await asyncio.gather(_final_state(client, workers, job, step, epoch, compare),
+                                       _keep_states(client, workers, job, step, epoch))
+    return (*ended, kept)
 
 
 async def _final_state(client, workers, job, step, epoch, compare: bool):

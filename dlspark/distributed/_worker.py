@@ -18,6 +18,7 @@ import cloudpickle
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
+from ._kept import KeptStates
 from ._messages import ErrorReply, Unavailable
 from ._peers import call_peer
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DlsparkWorkerPlugin", "pin_process"]
 
-_HANDLERS = ("setup", "join", "order", "peer", "state", "teardown", "clock", "events", "divergence")
+_HANDLERS = ("setup", "join", "order", "peer", "state", "keep", "teardown", "clock", "events", "divergence")
 
 
 def pin_process(cores) -> None:
@@ -108,6 +109,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         self.worker = worker
         self.jobs: dict = {}
         self.ended: collections.deque = collections.deque(maxlen=256)  # jobs torn down, newest last
+        self.kept = KeptStates()  # trained states of the last fits, so that the next sends what changed
         if self.pin_cores and hasattr(os, "sched_setaffinity"):
             cores = sorted(os.sched_getaffinity(0))
             per = self.cores_per_worker or max(1, len(cores) // self.n_workers)
@@ -123,6 +125,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         for job in self.jobs.values():
             job.close()
         self.jobs.clear()
+        self.kept.clear()
 
     def _job(self, job):
         try:
@@ -132,6 +135,11 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
     # -- handlers ----------------------------------------------------------------
     async def _setup(self, job: str, spec: bytes, state: dict, rank: int = 0):
+        """Set the job up from ``state``; a state that names a kept one (``kept``) brings only the
+        arrays that differ from it. ``{"missing": True}``: that state is no longer kept here."""
+        state = self.kept.fill(state)
+        if state is None:
+            return {"missing": True}
         await self._install(job, spec, state, rank)
         return {"reply": None}
 
@@ -181,6 +189,13 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             return {"params": to_serialize(leaves)}
         out = await run.dump_state(step, epoch)
         return {"state": to_serialize(out["state"]), "carried": to_serialize(out["carried"])}
+
+    async def _keep(self, job: str, step: int | None = None, epoch: int | None = None):
+        """Keep the job's trained state as the client would receive it (``step`` and ``epoch`` as
+        the client sets them); its arrays' digests, or None when no state is kept."""
+        run = self._job(job)
+        out = await run.dump_state(step, epoch)
+        return {"digests": await run.compute(self.kept.keep, job, out["state"]["arrays"])}
 
     async def _divergence(self, job: str, source: str, whole_state: bool = False):
         """The largest absolute difference between this replica's parameters and ``source``'s,

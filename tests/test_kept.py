@@ -1,0 +1,51 @@
+"""The states a worker keeps from its last fits (dlspark.distributed._kept): a thinned state
+leaves out exactly the arrays the worker holds bit for bit, and is filled back whole."""
+
+import dask
+import numpy as np
+import pytest
+
+from dlspark.distributed._kept import KeptStates, digests, sent_bytes, thin
+
+
+def _state(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"leaves": ["described"], "arrays": [rng.normal(size=(3, 4)).astype(np.float32),
+                                                 np.arange(5, dtype=np.int32), np.float32(rng.normal(size=()))]}
+
+
+def test_a_thinned_state_is_filled_back_bit_for_bit_from_what_was_kept():
+    kept = KeptStates()
+    old = _state()
+    theirs = kept.keep("fit-1", old["arrays"])
+    new = _state()
+    new["arrays"][0] = new["arrays"][0].copy()
+    new["arrays"][0][1, 2] = np.nextafter(new["arrays"][0][1, 2], np.float32(9))  # one ulp apart
+    thinned = thin(new, digests(new["arrays"]), "fit-1", theirs)
+    assert [a is None for a in thinned["arrays"]] == [False, True, True]
+    assert sent_bytes(thinned) == new["arrays"][0].nbytes
+    whole = kept.fill(thinned)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(whole["arrays"], new["arrays"]))
+    # the filled arrays are copies: the job may donate them without touching what is kept
+    whole["arrays"][1][:] = -1
+    assert kept.fill(thinned)["arrays"][1].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_same_bytes_of_another_shape_or_dtype_are_not_taken():
+    a = np.arange(6, dtype=np.float32)
+    assert len(set(digests([a, a.reshape(2, 3), a.view(np.int32)]))) == 3
+
+
+def test_a_state_not_kept_is_asked_for_whole_and_the_oldest_makes_way():
+    kept = KeptStates()
+    with dask.config.set({"dlspark.worker.kept-states": 2}):
+        for key in ("fit-1", "fit-2", "fit-3"):
+            d = kept.keep(key, _state()["arrays"])
+    s = _state()
+    assert kept.fill(thin(s, d, "fit-1", d)) is None  # made way for newer ones
+    assert kept.fill(thin(s, d, "fit-3", d)) is not None
+    assert kept.fill(s) is s  # a whole state is taken as it is
+    with dask.config.set({"dlspark.worker.kept-states": 0}):
+        assert kept.keep("fit-4", s["arrays"]) is None
+    with dask.config.set({"dlspark.worker.kept-states": -1}), pytest.raises(ValueError, match="kept-states"):
+        kept.keep("fit-5", s["arrays"])
