@@ -5,7 +5,7 @@ import dask
 import numpy as np
 import pytest
 
-from dlspark.distributed._kept import KeptStates, digests, sent_bytes, thin
+from dlspark.distributed._kept import KeptStates, digests, pull_arrays, put_arrays, sent_bytes, state_digests, thin
 
 
 def _state(seed=0):
@@ -17,11 +17,11 @@ def _state(seed=0):
 def test_a_thinned_state_is_filled_back_bit_for_bit_from_what_was_kept():
     kept = KeptStates()
     old = _state()
-    theirs = kept.keep("fit-1", old["arrays"])
+    theirs = kept.keep("fit-1", old)
     new = _state()
     new["arrays"][0] = new["arrays"][0].copy()
     new["arrays"][0][1, 2] = np.nextafter(new["arrays"][0][1, 2], np.float32(9))  # one ulp apart
-    thinned = thin(new, digests(new["arrays"]), "fit-1", theirs)
+    thinned = thin(new, state_digests(new), "fit-1", theirs)
     assert [a is None for a in thinned["arrays"]] == [False, True, True]
     assert sent_bytes(thinned) == new["arrays"][0].nbytes
     whole = kept.fill(thinned)
@@ -40,12 +40,27 @@ def test_a_state_not_kept_is_asked_for_whole_and_the_oldest_makes_way():
     kept = KeptStates()
     with dask.config.set({"dlspark.worker.kept-states": 2}):
         for key in ("fit-1", "fit-2", "fit-3"):
-            d = kept.keep(key, _state()["arrays"])
+            d = kept.keep(key, _state())
     s = _state()
     assert kept.fill(thin(s, d, "fit-1", d)) is None  # made way for newer ones
     assert kept.fill(thin(s, d, "fit-3", d)) is not None
     assert kept.fill(s) is s  # a whole state is taken as it is
     with dask.config.set({"dlspark.worker.kept-states": 0}):
-        assert kept.keep("fit-4", s["arrays"]) is None
+        assert kept.keep("fit-4", s) is None
     with dask.config.set({"dlspark.worker.kept-states": -1}), pytest.raises(ValueError, match="kept-states"):
-        kept.keep("fit-5", s["arrays"])
+        kept.keep("fit-5", s)
+
+
+def test_what_the_algorithm_carries_leaves_the_spec_and_comes_back_thinned_alike():
+    momentum = np.ones((16, 32), np.float32)
+    carried = {"outer_state": ({"trace": momentum, "small": np.zeros(3, np.float32)}, None), "threshold": 0.1}
+    pulled, arrays = pull_arrays(carried)
+    assert len(arrays) == 1 and np.array_equal(arrays[0], momentum)
+    assert pulled["outer_state"][0]["small"].shape == (3,) and pulled["threshold"] == 0.1  # small ones stay
+    kept = KeptStates()
+    s = {**_state(), "carried": arrays}
+    theirs = kept.keep("fit-1", s)
+    thinned = thin(s, state_digests(s), "fit-1", theirs)
+    assert sent_bytes(thinned) == 0 and thinned["carried"] == [None]
+    back = put_arrays(pulled, kept.fill(thinned)["carried"])
+    assert np.array_equal(back["outer_state"][0]["trace"], momentum) and back["outer_state"][1] is None

@@ -18,7 +18,7 @@ from distributed.protocol import to_serialize
 
 from ..checkpoint import read_checkpoint_meta, state_from_arrays, state_to_arrays
 from ..errors import CheckpointError, JobFailedError
-from ._kept import digests, sent_bytes, thin
+from ._kept import pull_arrays, sent_bytes, state_digests, thin
 from ._messages import JobOptions, JobSpec
 
 __all__ = ["run_fit", "setup_workers", "fetch_state", "fetch_state_from_any", "checked", "install_plugins",
@@ -93,9 +93,10 @@ async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: di
 
     ``kept``: ``{worker: (key, digests)}`` of the states workers kept from the last fit (see
     ``_kept``): such a worker is sent only the arrays that differ from its own, and everything
-    if it no longer holds them. Returns the bytes sent (the spec and the arrays)."""
+    if it no longer holds them. ``state["carried"]``: arrays pulled out of ``spec`` (see
+    ``_kept.pull_arrays``). Returns the bytes sent (the spec and the arrays)."""
     kept = {w: k for w, k in (kept or {}).items() if w in workers and k[1] is not None}
-    mine = await asyncio.get_running_loop().run_in_executor(None, digests, state["arrays"]) if kept else None
+    mine = await asyncio.get_running_loop().run_in_executor(None, state_digests, state) if kept else None
 
     async def one(rank, w):
         if w in kept:
@@ -189,9 +190,18 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     net, client = trainer.network, trainer.client
     workers = trainer._workers()
     job = uuid.uuid4().hex[:12]
-    spec = cloudpickle.dumps(JobSpec(net.definition(), net.token, master, refs, loader, storage_options,
-                                     dict(trainer.algorithm_state), worker_rngs, checkpoint_options=storage_options))
+    def job_spec(algorithm_state):
+        return cloudpickle.dumps(JobSpec(net.definition(), net.token, master, refs, loader, storage_options,
+                                         algorithm_state, worker_rngs, checkpoint_options=storage_options))
+
+    # the scheduler keeps the whole spec (for workers that join mid-fit); the workers' copy leaves
+    # out the arrays of what the algorithm carries, which travel with the state, thinned alike
+    spec = job_spec(dict(trainer.algorithm_state))
+    pulled, carried = pull_arrays(dict(trainer.algorithm_state))
     state = state_to_arrays(net.state)
+    setup_spec = spec
+    if carried:
+        setup_spec, state["carried"] = job_spec(pulled), carried
     base_step, base_epoch = net.iteration, net.epoch
     options = JobOptions(epochs=epochs, skip=tuple(skip), base_step=base_step, base_epoch=base_epoch,
                          epochs_total=epochs_total, epochs_done=epochs_done, checkpoint_every=checkpoint_every,
@@ -216,7 +226,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     try:
         st = ClientSide(client, export_span) if master.collect_training_stats else NoClientSide()
         with st.span("broadcast") as span:
-            sent = client.sync(setup_workers, client, workers, job, spec, state, trainer._kept_states)
+            sent = client.sync(setup_workers, client, workers, job, setup_spec, state, trainer._kept_states)
             if hasattr(span, "fields"):
                 span.fields["bytes"] = sent
         run = dict(job=job, workers=workers, spec=spec, partitions=partitions, master=cloudpickle.dumps(master),

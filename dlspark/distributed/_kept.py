@@ -9,7 +9,12 @@ leaves bit for bit), and the worker takes the others from what it kept. A worker
 longer holds the state named (restarted, or the state made way for newer ones) says so,
 and the client sends it everything, as a first fit does.
 
-Digests are BLAKE2b of each array's bytes with its shape and dtype: a leaf is taken from
+What the algorithm carries from fit to fit (an outer optimizer's momentum, as large as the
+parameters) goes the same way: its arrays leave the spec the workers are set up from
+(:func:`pull_arrays`; the scheduler keeps the whole spec for workers that join mid-fit) and
+travel beside the state's, as ``carried``, thinned alike.
+
+Digests are BLAKE2b of each array's bytes with its shape and dtype: an array is taken from
 the kept state only when it is the client's bit for bit, so a fit starts from exactly the
 state it would have been sent. ``dlspark.worker.kept-states`` bounds how many states a
 worker keeps (host copies; 0 keeps none).
@@ -20,12 +25,51 @@ from __future__ import annotations
 import collections
 import hashlib
 import threading
+from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from .. import config
 
-__all__ = ["KeptStates", "digests", "thin", "sent_bytes"]
+__all__ = ["KeptStates", "Carried", "digests", "state_digests", "thin", "sent_bytes", "pull_arrays", "put_arrays",
+           "carried_arrays"]
+
+#: the smallest array that leaves the spec (smaller ones are cheaper inside it)
+_LEAST = 1024
+_PARTS = ("arrays", "carried")
+
+
+@dataclass(frozen=True)
+class Carried:
+    """Where an array pulled out of the spec goes back: ``state["carried"][index]``."""
+
+    index: int
+
+
+def pull_arrays(tree):
+    """``(tree with its arrays of at least 1 kB replaced by Carried places, those arrays)``."""
+    out = []
+
+    def pull(x):
+        if isinstance(x, (np.ndarray, jax.Array)) and x.nbytes >= _LEAST:
+            out.append(np.asarray(x))
+            return Carried(len(out) - 1)
+        return x
+
+    return jax.tree_util.tree_map(pull, tree), out
+
+
+def put_arrays(tree, arrays):
+    """``tree`` with every :class:`Carried` place replaced by its array."""
+    return jax.tree_util.tree_map(lambda x: arrays[x.index] if isinstance(x, Carried) else x, tree,
+                                  is_leaf=lambda x: isinstance(x, Carried))
+
+
+def carried_arrays(carried) -> list:
+    """The arrays :func:`pull_arrays` takes from ``{"...": carried}``: what a worker keeps of
+    what its algorithm carries, in the order the client's next fit sends them."""
+    return pull_arrays(carried)[1]
 
 
 def _digest(a) -> bytes:
@@ -40,18 +84,25 @@ def digests(arrays) -> list:
     return [_digest(a) for a in arrays]
 
 
-def thin(state: dict, mine: list, key: str, theirs: list) -> dict:
-    """``state`` (as :func:`~dlspark.checkpoint.state_to_arrays` gives it) for a worker that kept
-    the arrays of digests ``theirs`` under ``key``: the arrays it holds already are left out (None)."""
-    if len(theirs) != len(mine):
-        return state
-    arrays = [None if d == t else a for a, d, t in zip(state["arrays"], mine, theirs)]
-    return {**state, "arrays": arrays, "kept": key}
+def state_digests(state: dict) -> dict:
+    """The digests of a state's arrays and of the arrays carried beside them."""
+    return {part: digests(state.get(part, ())) for part in _PARTS}
+
+
+def thin(state: dict, mine: dict, key: str, theirs: dict) -> dict:
+    """``state`` (as :func:`~dlspark.checkpoint.state_to_arrays` gives it, with what is
+    ``carried`` beside it) for a worker that kept arrays of digests ``theirs`` under ``key``:
+    the arrays it holds already are left out (None)."""
+    out = {**state, "kept": key}
+    for part in _PARTS:
+        if part in state and len(theirs[part]) == len(mine[part]):
+            out[part] = [None if d == t else a for a, d, t in zip(state[part], mine[part], theirs[part])]
+    return out
 
 
 def sent_bytes(state: dict) -> int:
     """The bytes of the arrays ``state`` carries (those a thinned state leaves out are not sent)."""
-    return sum(a.nbytes for a in state["arrays"] if a is not None)
+    return sum(a.nbytes for part in _PARTS for a in state.get(part, ()) if a is not None)
 
 
 class KeptStates:
@@ -61,20 +112,20 @@ class KeptStates:
         self._states: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def keep(self, key: str, arrays: list) -> list | None:
-        """Keep ``arrays`` (the worker's own copies) under ``key``; their digests, or None when
-        ``dlspark.worker.kept-states`` is 0."""
+    def keep(self, key: str, state: dict) -> dict | None:
+        """Keep ``state``'s ``arrays`` and ``carried`` arrays (the worker's own copies) under
+        ``key``; their digests, or None when ``dlspark.worker.kept-states`` is 0."""
         size = config.get("worker.kept-states")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"dlspark.worker.kept-states must be an integer >= 0, got {size!r}")
         if size == 0:
             return None
-        found = digests(arrays)
+        found = state_digests(state)
         with self._lock:
             self._states.pop(key, None)
             while len(self._states) >= size:
                 self._states.popitem(last=False)
-            self._states[key] = list(arrays)
+            self._states[key] = {part: list(state.get(part, ())) for part in _PARTS}
         return found
 
     def fill(self, state: dict) -> dict | None:
@@ -85,11 +136,15 @@ class KeptStates:
             return state
         with self._lock:
             kept = self._states.get(key)
-        if kept is None or len(kept) != len(state["arrays"]):
-            return None
-        # copies: the job's state may be built on these buffers and donated to its steps
-        arrays = [np.array(k, copy=True) if a is None else a for a, k in zip(state["arrays"], kept)]
-        return {"leaves": state["leaves"], "arrays": arrays}
+        out = {k: v for k, v in state.items() if k != "kept"}
+        for part in _PARTS:
+            if part not in state or not any(a is None for a in state[part]):
+                continue
+            if kept is None or len(kept[part]) != len(state[part]):
+                return None
+            # copies: the job's state may be built on these buffers and donated to its steps
+            out[part] = [np.array(k, copy=True) if a is None else a for a, k in zip(state[part], kept[part])]
+        return out
 
     def clear(self):
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -18,7 +19,7 @@ import cloudpickle
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
-from ._kept import KeptStates
+from ._kept import KeptStates, carried_arrays, put_arrays
 from ._messages import ErrorReply, Unavailable
 from ._peers import call_peer
 
@@ -146,6 +147,8 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     async def _install(self, job, spec, state, rank):
         loop = asyncio.get_running_loop()
         spec = cloudpickle.loads(spec)
+        if state.get("carried"):  # the arrays of what the algorithm carries came beside the spec
+            spec = dataclasses.replace(spec, algorithm_state=put_arrays(spec.algorithm_state, state["carried"]))
         new = await loop.run_in_executor(
             None, lambda: spec.master.create_run_on_worker(self.worker, job, spec, state, rank))
         if job in self.ended:  # torn down while it was being set up (the fit failed elsewhere)
@@ -195,7 +198,8 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         the client sets them); its arrays' digests, or None when no state is kept."""
         run = self._job(job)
         out = await run.dump_state(step, epoch)
-        return {"digests": await run.compute(self.kept.keep, job, out["state"]["arrays"])}
+        kept = {"arrays": out["state"]["arrays"], "carried": carried_arrays({"carried": out["carried"]})}
+        return {"digests": await run.compute(self.kept.keep, job, kept)}
 
     async def _divergence(self, job: str, source: str, whole_state: bool = False):
         """The largest absolute difference between this replica's parameters and ``source``'s,
