@@ -23,7 +23,7 @@ from ._evaluation import Evaluation, RegressionEvaluation, ROC, ROCMultiClass
 from ._masters import TrainingMaster, spark_storage_level
 from ._conf import RDDTrainingApproach
 from ._names import with_snake_aliases
-from ._rnn import DatasetsToNWC, LoadNWC, RNNFormat, ValueToNWC, rnn_format, swap_time, value_to_ncw
+from ._rnn import DatasetsToNWC, LoadNWC, PairsToNWC, RNNFormat, rnn_format, swap_time, value_to_ncw
 
 __all__ = ["SparkDl4jMultiLayer", "SparkComputationGraph", "SparkTrainingStats"]
 
@@ -356,7 +356,8 @@ class _SparkNetwork:
     def _keyed(self, pairs, batch_size, with_mask):
         if self._rnn is RNNFormat.NWC:
             return _spark.predict_with_keys(pairs, self._network, batch_size, with_mask=with_mask)
-        out = _spark.predict_with_keys(pairs.mapValues(ValueToNWC(with_mask)), self._network, batch_size,
+        out = _spark.predict_with_keys(pairs.map(PairsToNWC(with_mask), preservesPartitioning=True),
+                                       self._network, batch_size,
                                        with_mask=with_mask)
         return out.mapValues(value_to_ncw)
 

@@ -19,7 +19,7 @@ from dlspark.data import DataSet, MultiDataSet
 
 from ._names import DL4JEnum, as_enum
 
-__all__ = ["RNNFormat", "rnn_format", "DatasetsToNWC", "LoadNWC", "ValueToNWC", "value_to_ncw", "swap_time"]
+__all__ = ["RNNFormat", "rnn_format", "DatasetsToNWC", "LoadNWC", "PairsToNWC", "value_to_ncw", "swap_time"]
 
 
 class RNNFormat(DL4JEnum):
@@ -39,12 +39,15 @@ def swap_time(x, rank: int = 3):
     """``x`` with its last two axes swapped if it has ``rank`` axes (a tuple: each of it)."""
     if isinstance(x, (tuple, list)):
         return type(x)(swap_time(v, rank) for v in x)
-    if x is None or np.ndim(x) != rank:
+    if getattr(x, "ndim", None) != rank:  # not an array of that rank (None, a DataSet, ...): as it is
         return x
     return np.swapaxes(np.asarray(x), -1, -2)
 
 
 def _dataset_to_nwc(ds):
+    arrays = (ds.features, ds.labels) if isinstance(ds, DataSet) else (*ds.features, *ds.labels)
+    if all(getattr(a, "ndim", None) != 3 for a in arrays):  # nothing recurrent: the same DataSet
+        return ds
     if isinstance(ds, DataSet):
         return DataSet(swap_time(ds.features), swap_time(ds.labels), ds.features_mask, ds.labels_mask)
     return MultiDataSet(swap_time(tuple(ds.features)), swap_time(tuple(ds.labels)), ds.features_masks,
@@ -79,18 +82,24 @@ class LoadNWC:
         return _dataset_to_nwc(ds)
 
 
-class ValueToNWC:
-    """``pairs.mapValues(ValueToNWC(with_mask))``: one example's NCW features ``[features, time]``
-    (or a tuple of them; with its mask) as ``[time, features]``."""
+class PairsToNWC:
+    """``pairs.map(PairsToNWC(with_mask), preservesPartitioning=True)``: the value of each
+    ``(key, features)`` pair (``(key, (features, mask))`` with ``with_mask``), one example's NCW
+    features ``[features, time]`` or a tuple of them, as ``[time, features]``. Anything else
+    passes unchanged, for keyed inference to refuse by what it is."""
 
     def __init__(self, with_mask: bool):
         self.with_mask = with_mask
 
-    def __call__(self, v):
-        if self.with_mask:
-            features, mask = v
-            return swap_time(features, 2), mask
-        return swap_time(v, 2)
+    def __call__(self, x):
+        if not (isinstance(x, tuple) and len(x) == 2):
+            return x
+        key, v = x
+        if not self.with_mask:
+            return key, swap_time(v, 2)
+        if isinstance(v, (tuple, list)) and len(v) == 2:
+            return key, (swap_time(v[0], 2), v[1])
+        return x
 
 
 def value_to_ncw(out):
