@@ -250,6 +250,26 @@ def test_errors_on_the_executors_reach_the_driver_as_one_python_exception(sc):
     ok = sc.parallelize([(i, np.asarray(test.features[i])) for i in range(100)], 2)
     out = dict(spark_net.feedForwardWithKey(ok, 64).collect())
     assert np.allclose(out[7], net.output(np.asarray(test.features[7:8]))[0], atol=1e-5)
+    # keyed inference is lazy: an element of another shape late in the RDD (the driver checks only
+    # the first) fails at the user's action, as one Python exception, whatever the action
+    late = sc.parallelize([(i, np.asarray(test.features[i, :60 if i == 90 else 64])) for i in range(100)], 2)
+    outputs = spark_net.feedForwardWithKey(late, 64)  # the first element fits: no job fails yet
+    for action in (lambda r: r.collect(), lambda r: r.count(), lambda r: r.collectAsMap(),
+                   lambda r: r.mapValues(np.argmax).values().sum(), lambda r: r.filter(lambda kv: kv[0] > 80).take(20)):
+        with pytest.raises(ValueError, match=r"feedForwardWithKey: the element with key 90 has features of shape "
+                                             r"\(60,\), the element with key 50 \(64,\)") as e:
+            action(outputs)
+        _short_python_error(e)
+    assert outputs.take(3)[2][0] == 2  # a partition without the bad element still computes
+    scores = spark_net.scoreExamples(sc.parallelize([(i, d) for i, d in enumerate(test.batches(64))] +
+                                                    [(99, DataSet(test.features[:4, :60], test.labels[:4]))], 2))
+    with pytest.raises(ValueError, match=r"scoreExamples: the DataSet with key 99 has examples of features shape "
+                                         r"\(\(60,\),\), the partition's first \(\(64,\),\)") as e:
+        scores.collect()
+    _short_python_error(e)
+    # the SparkContext and the network are still usable
+    assert sc.parallelize(range(10), 2).sum() == 45
+    assert len(spark_net.feedForwardWithKey(ok, 64).collect()) == 100
 
 
 @pytest.mark.slow

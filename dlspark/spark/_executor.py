@@ -18,10 +18,10 @@ import numpy as np
 
 from .._inference import (_check_evaluations, _network, evaluate_part, merge_evaluations, network_blob,
                           stack_examples, unstack_outputs)
-from ..data import load_ref
+from ..data import MultiDataSet, load_ref
 from ._environment import check_executors
 from ._common import (_DATASETS, _FIT_KINDS, BadElementError, _bad, _Failure, _guarded, _probe, _raise_failures,
-                      _type_name)
+                      _type_name, clean_errors)
 
 __all__ = ["broadcast_network", "do_evaluation", "predict_with_keys", "score_examples", "calculate_score"]
 
@@ -244,13 +244,24 @@ def _predict_chunk(net, chunk, batch_size, with_mask):
     return unstack_outputs(keys, jax.tree_util.tree_map(lambda a: a[:n], out))
 
 
+def _shapes(v) -> tuple:
+    return tuple(np.shape(a) for a in v) if isinstance(v, (tuple, list)) else np.shape(v)
+
+
 def _predict_partition(bc, batch_size, with_mask, iterator):
     """Runs on an executor: ``(key, features) -> (key, outputs)`` for one partition, in order."""
-    net, chunk = None, []
+    net, chunk, first = None, [], None
     for x in iterator:
         problem = _keyed_problem(with_mask, x)
         if problem:
             raise BadElementError(problem)
+        shapes = _shapes(x[1][0] if with_mask else x[1])
+        if first is None:
+            first = (x[0], shapes)
+        elif shapes != first[1]:  # found here, the message names the element (stacking would not)
+            what = "feedForwardWithMaskAndKey" if with_mask else "feedForwardWithKey"
+            raise ValueError(f"{what}: the element with key {x[0]!r} has features of shape {shapes}, the element "
+                             f"with key {first[0]!r} {first[1]}; every example takes the network's input shape")
         chunk.append(x)
         if len(chunk) == batch_size:
             net = net or _executor_network(bc)
@@ -276,7 +287,8 @@ def predict_with_keys(rdd, network, batch_size: int = 64, with_mask: bool = Fals
         _check_takes(network, kind[len("keyed:"):], "feedForwardWithMaskAndKey" if with_mask else "feedForwardWithKey",
                      batch_size)
     bc = broadcast_network(rdd.context, network)
-    return rdd.mapPartitions(partial(_predict_partition, bc, batch_size, with_mask), preservesPartitioning=True)
+    # lazy: an error in a later element surfaces at the user's action, raised there as itself
+    return clean_errors(rdd, partial(_predict_partition, bc, batch_size, with_mask), preservesPartitioning=True)
 
 
 # -- scoring ---------------------------------------------------------------------------------
@@ -316,13 +328,21 @@ def _score_chunk(net, chunk, batch_size, keyed):
 
 def _score_partition(bc, batch_size, keyed, iterator, what="scoreExamples"):
     """Runs on an executor: per-example losses of one partition, in order (keyed: ``(key, loss)``)."""
-    net, chunk, held = None, [], 0
+    net, chunk, held, first = None, [], 0, None
     for x in iterator:
         problem = _scored_problem(x, what)
         if problem or isinstance(x, tuple) != keyed:
             raise BadElementError(problem or (f"{what} takes an RDD of DataSets; found a (key, DataSet) pair"
                                               if not keyed else
                                               f"{what} takes keyed or unkeyed DataSets, not both in one RDD"))
+        ds = x[1] if keyed else x
+        shapes = tuple(np.shape(a)[1:] for a in (ds.features if isinstance(ds, MultiDataSet) else (ds.features,)))
+        if first is None:
+            first = shapes
+        elif shapes != first:  # found here, the message names the element (merging would not)
+            where = f"the DataSet with key {x[0]!r}" if keyed else "a DataSet"
+            raise ValueError(f"{what}: {where} has examples of features shape {shapes}, the partition's first "
+                             f"{first}; every example takes the network's input shape")
         chunk.append(x)
         held += len(x[1] if keyed else x)
         if held >= batch_size:
@@ -343,7 +363,7 @@ def score_examples(rdd, network, batch_size: int = 64):
     kind = _probe(rdd, _describe_scored)
     bc = broadcast_network(rdd.context, network)
     keyed = kind == "keyed"
-    return rdd.mapPartitions(partial(_score_partition, bc, batch_size, keyed), preservesPartitioning=keyed)
+    return clean_errors(rdd, partial(_score_partition, bc, batch_size, keyed), preservesPartitioning=keyed)
 
 
 def _score_sum_items(bc, batch_size, iterator):
