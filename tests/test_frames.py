@@ -268,18 +268,18 @@ def test_rows_of_weight_zero_have_no_effect(digits, make_net):
     # the same 16 that a minibatch of 16 holds once those rows are dropped, and the loss is their
     # weighted mean, so both fits take the same steps (plain SGD: a scaled loss would show)
     w = np.tile(np.float32([2.0, 0.0]), n // 2)
-    weighted, dropped, plain = (make_net(updater=optax.sgd(0.05)) for _ in range(3))
-    weighted.fit(frame_columns(_weighted_frame(tr, w), FEATURES, "label", weight="w"), epochs=2, batch_size=32)
-    dropped.fit(frame_columns(digits_frame(tr[::2], 3), FEATURES, "label"), epochs=2, batch_size=16)
-    plain.fit(frame_columns(digits_frame(tr, 3), FEATURES, "label"), epochs=2, batch_size=32)
+    # (the weights ignored, or the loss a plain sum over the kept rows, the steps would differ)
+    weighted, dropped = (make_net(updater=optax.sgd(0.05)) for _ in range(2))
+    # one partition: full minibatches only (one compiled shape a fit)
+    weighted.fit(frame_columns(_weighted_frame(tr, w, 1), FEATURES, "label", weight="w"), epochs=2, batch_size=32)
+    dropped.fit(frame_columns(digits_frame(tr[::2], 1), FEATURES, "label"), epochs=2, batch_size=16)
+    assert weighted.iteration == dropped.iteration == 2 * n // 32
     for a, b in zip(jax.tree_util.tree_leaves(weighted.params), jax.tree_util.tree_leaves(dropped.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-    assert not all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-2, atol=1e-3) for a, b in
-                   zip(jax.tree_util.tree_leaves(weighted.params), jax.tree_util.tree_leaves(plain.params)))
     # a class at weight 0 is not learnt; the others are
     ids = np.asarray(tr.labels).argmax(1)
     no3 = make_net()
-    no3.fit(frame_columns(_weighted_frame(tr, (ids != 3).astype(np.float32)), FEATURES, "label", weight="w"),
+    no3.fit(frame_columns(_weighted_frame(tr, (ids != 3).astype(np.float32), 1), FEATURES, "label", weight="w"),
             epochs=3, batch_size=32)
     pred, truth = np.asarray(no3.output(te.features)).argmax(1), np.asarray(te.labels).argmax(1)
     assert (pred[truth == 3] == 3).mean() < 0.1 and (pred == truth)[truth != 3].mean() >= 0.85
