@@ -80,31 +80,33 @@ class _NetworkParams(HasFeaturesCol, HasPredictionCol, HasProbabilityCol):
         return self.getOrDefault(self.batchSize)
 
     def setNetwork(self, value):
-        """Set :attr:`network`."""
+        """Set ``network``."""
         return self._set(network=value)
 
     def setFeaturesCol(self, value):
-        """Set :attr:`featuresCol`."""
+        """Set ``featuresCol``."""
         return self._set(featuresCol=value)
 
     def setPredictionCol(self, value):
-        """Set :attr:`predictionCol`."""
+        """Set ``predictionCol``."""
         return self._set(predictionCol=value)
 
     def setProbabilityCol(self, value):
-        """Set :attr:`probabilityCol` ("" for none)."""
+        """Set ``probabilityCol`` ("" for none)."""
         return self._set(probabilityCol=value)
 
     def setBatchSize(self, value):
-        """Set :attr:`batchSize`."""
+        """Set ``batchSize``."""
         return self._set(batchSize=value)
 
 
 class NetworkEstimator(Estimator, _NetworkParams, HasLabelCol, HasWeightCol):
     """Trains a :class:`dlspark.Network` on a Spark DataFrame; ``fit`` returns a :class:`NetworkModel`.
 
-    Parameters (all ``pyspark.ml`` Params, with getters and setters)
-    -----------------------------------------------------------------
+    Every parameter is a ``pyspark.ml`` Param, with its getter and setter.
+
+    Parameters
+    ----------
     network : dlspark.Network
         The network; ``fit`` trains a copy and leaves it as it is.
     featuresCol : str, default "features"
@@ -169,19 +171,19 @@ class NetworkEstimator(Estimator, _NetworkParams, HasLabelCol, HasWeightCol):
         return self._set(**self._input_kwargs)
 
     def setLabelCol(self, value):
-        """Set :attr:`labelCol`."""
+        """Set ``labelCol``."""
         return self._set(labelCol=value)
 
     def setWeightCol(self, value):
-        """Set :attr:`weightCol`."""
+        """Set ``weightCol``."""
         return self._set(weightCol=value)
 
     def setEpochs(self, value):
-        """Set :attr:`epochs`."""
+        """Set ``epochs``."""
         return self._set(epochs=value)
 
     def setTrainingMaster(self, value):
-        """Set :attr:`trainingMaster`."""
+        """Set ``trainingMaster``."""
         return self._set(trainingMaster=value)
 
     def getEpochs(self) -> int:

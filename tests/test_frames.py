@@ -3,8 +3,8 @@
 import os
 
 import dask
-import jax
 import dask.dataframe as dd
+import jax
 import numpy as np
 import optax
 import pandas as pd
@@ -61,10 +61,10 @@ def test_an_empty_frame_is_refused(digits):
         frame_columns(empty, "a", "y")
     # a dask frame: refused by frame_columns, before any fit; dask's metadata knows a pandas-backed
     # frame's partition lengths, so nothing is computed
-    with dask.config.set(scheduler=_refuse_compute):
-        with pytest.raises(ValueError, match=r"the dask DataFrame 'frompandas-\w+' has no rows in any of its 2 "
-                                             r"partitions \(columns \['a', 'y'\]\): training and evaluation need"):
-            frame_columns(dd.from_pandas(empty, npartitions=2), "a", "y")
+    refused = (r"the dask DataFrame 'frompandas-\w+' has no rows in any of its 2 partitions \(columns \['a', 'y'\]\): "
+               r"training and evaluation need")
+    with dask.config.set(scheduler=_refuse_compute), pytest.raises(ValueError, match=refused):
+        frame_columns(dd.from_pandas(empty, npartitions=2), "a", "y")
     # a generated frame (no lengths in its metadata): the first partition is counted, and only when
     # it is empty every partition; a frame whose rows come later is taken
     meta = pd.DataFrame({"a": np.zeros(0), "y": np.zeros(0, np.int64)})
