@@ -608,3 +608,27 @@ def test_spark_dataframes_train_evaluate_and_infer_through_compat(sc, cluster):
         est.copy({est.batchSizePerWorker: 16}).fit(train_df)
     with pytest.raises(ValueError, match="epochs must be an integer >= 1, got 0"):
         NetworkEstimator(network=untrained, epochs=0)
+
+
+def test_the_estimator_params_build_the_master_and_are_refused_by_name():
+    pytest.importorskip("pyspark")
+    from dlspark.compat import NetworkEstimator
+
+    net = new_net()
+    est = NetworkEstimator(network=net, batchSizePerWorker=16, averagingFrequency=3, epochs=2)
+    master = est.getTrainingMaster()
+    assert isinstance(master, ParameterAveragingTrainingMaster)
+    assert (master.algorithm.batch_size_per_worker, master.algorithm.averaging_frequency) == (16, 3)
+    assert est.getEpochs() == 2 and est.getNetwork() is net and est.getLabelCol() == "label"
+    assert est.copy({est.epochs: 5}).getEpochs() == 5 and est.getEpochs() == 2
+    assert "trainingMaster" in est.explainParams() and "weightCol" in est.explainParams()
+    with pytest.raises(TypeError, match="network must be a dlspark.Network, got str"):
+        NetworkEstimator(network="net")
+    with pytest.raises(TypeError, match="trainingMaster must be ParameterAveragingTrainingMaster"):
+        NetworkEstimator(trainingMaster=GradientSharingLike())
+    with pytest.raises(ValueError, match="NetworkEstimator needs a network"):
+        NetworkEstimator().fit(None)
+
+
+class GradientSharingLike:
+    """Not a training master."""
