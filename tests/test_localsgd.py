@@ -70,6 +70,9 @@ def test_local_sgd_over_two_devices_equals_it_done_by_hand(make_net, digits, tx)
     assert (net.iteration, net.epoch) == (10, 1)
     s = wrapper.last_fit_stats
     assert [x["trained_total"] for x in s] == [4, 8, 10] and s[-1]["bytes_received"] > 0
+    # one per-iteration row per minibatch, numbered through the fit (what per-iteration listeners get)
+    assert [r["fit_step"] for x in s for r in x["iterations"]] == list(range(10))
+    assert [r["worker"] for r in s[0]["iterations"]] == [0, 1, 0, 1]
     if tx is None:
         wrapper.fit(tr[:960], epochs=2)
         assert accuracy(net, te) > 0.7  # it learns
