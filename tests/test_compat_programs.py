@@ -448,6 +448,28 @@ def test_early_stopping_conditions_and_configuration_follow_dl4j():
     assert type(conf.getModelSaver()).__name__ == "InMemoryModelSaver"
 
 
+def test_early_stopping_ends_with_an_error_result_as_dl4j(sc):
+    """DL4J's trainer does not raise what a fit raises: it ends with TerminationReason.Error."""
+    from dlspark.compat import (EarlyStoppingConfiguration, EarlyStoppingListener, MaxEpochsTerminationCondition,
+                                SparkEarlyStoppingTrainer, TerminationReason)
+
+    class Done(EarlyStoppingListener):
+        result = None
+
+        def onCompletion(self, esResult):
+            Done.result = esResult
+
+    conf = EarlyStoppingConfiguration.Builder().epochTerminationConditions(MaxEpochsTerminationCondition(2)).build()
+    trainer = SparkEarlyStoppingTrainer(sc, None, conf, new_net(), digits_rdd(sc, "test"))  # no training master
+    trainer.setListener(Done())
+    result = trainer.fit()
+    assert result is Done.result and result.getTerminationReason() is TerminationReason.Error
+    assert result.getTerminationDetails().startswith("ValueError: this SparkDl4jMultiLayer has no training master")
+    assert result.getTotalEpochs() == 0 and result.getBestModel() is None and result.getScoreVsEpoch() == {}
+    with pytest.raises(TypeError, match="esConfig must be EarlyStoppingConfiguration.Builder"):
+        SparkEarlyStoppingTrainer(sc, None, MaxEpochsTerminationCondition(2), new_net(), None)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # eight one-epoch fits; compilation under load takes minutes
 def test_spark_early_stopping_trainer_stops_and_keeps_the_best_model(sc, cluster, tmp_path):
