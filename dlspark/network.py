@@ -90,7 +90,8 @@ class Steps(NamedTuple):
 
     Every training step returns a :class:`StepResult` (state, loss, finite flag,
     figures); over stacked minibatches, one whose loss, flag and figures are stacked.
-    ``compute_update(state, batch) -> StepUpdate`` and ``apply_update(state,
+    ``compute_update(state, batch, clip_norm=None) -> StepUpdate`` (with the gradient
+    clipped by global norm to ``clip_norm`` where given) and ``apply_update(state,
     updates, opt_state, model_state, rng) -> state`` split one training step so
     that a distributed master can act between them; ``train_step(state, batch)``
     is both in one program and leaves the state unchanged (``finite`` false:
@@ -172,11 +173,16 @@ def build_steps(model, loss, updater) -> Steps:
         value, _ = total_loss(outputs, y, lmask)
         return value, new_state
 
-    def compute_update(state, batch):
+    def compute_update(state, batch, clip_norm=None):
+        # clip_norm: gradient sharing's local clipping (each replica's gradient clipped by
+        # global norm before its updater); an argument, not a constant, so that one program
+        # serves every bound, and None (the default) is a program without it
         rng, step_rng = jax.random.split(state.rng)
         (value, new_mstate), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, state.model_state, batch, step_rng
         )
+        if clip_norm is not None:
+            grads, _ = optax.clip_by_global_norm(clip_norm).update(grads, optax.EmptyState())
         updates, new_opt = updater.update(grads, state.opt_state, state.params)
         return StepUpdate(updates, new_opt, new_mstate, rng, value, step_figures(grads, updates))
 

@@ -29,7 +29,8 @@ from ..._mesh import FitOutcome, replica_rngs
 from ...stats._record import RoundStats, iteration_rows
 from ._encoding import EMPTY, decode_into, encode_scratch
 from ._messages import SharingFigures
-from ._state import SumVectors, add_pieces, encode_step, sharing_functions
+from ._dgc import sent_elements, threshold_for_density, warmup_density
+from ._state import SumVectors, add_pieces, encode_step, replica_options, sharing_functions
 from ._thresholds import senders, threshold_meta
 from ._xla import encode_on_device_jit, message_bytes, sparsity_of
 
@@ -119,6 +120,10 @@ class _Replicas:
         # copies (the steps donate them): the network keeps its state until the fit succeeds
         self.states = [jax.device_put(net.state.replace(rng=rng), d, may_alias=False)
                        for rng, d in zip(rngs, self.devices)]
+        self.opts = replica_options(master, len(self.devices), net.state.opt_state, net.state.params)
+        self.mask_momentum = fns.mask_momentum
+        self.density = None  # the sparsity warm-up's fraction in this epoch (set by the fit)
+        self.sent: dict = {}  # replica -> the elements its message just sent (momentum masking)
         start = master.carried_threshold(runtime.algorithm_state) or self.algo.init()
         self.tstates = [start] * len(self.devices)
         self.steps = [0] * len(self.devices)  # each replica's message counter
@@ -146,7 +151,8 @@ class _Replicas:
         """Fit one minibatch per device (``None``: that device has none this step); returns
         ``(losses by device, examples, bytes sent, thresholds, sparsities)`` of the devices
         that trained."""
-        outs = [None if b is None else self.update(self.states[i], self.states[i].opt_state, b[1])
+        clip = self.opts.clip
+        outs = [None if b is None else self.update(self.states[i], self.states[i].opt_state, b[1], clip)
                 for i, b in enumerate(batches)]
         finite = jax.device_get([None if o is None else o[5] for o in outs])
         active = []
@@ -169,7 +175,10 @@ class _Replicas:
                 self.states[i] = self.add_flat(self.states[i], totals[i])
                 idle.append(self.states[i])
             else:
-                self.states[i] = self.apply_flat(self.states[i].replace(opt_state=o[1], model_state=o[2], rng=o[3]),
+                opt = o[1]
+                if self.opts.mask_fields:
+                    opt = self.mask_momentum(opt, self.sent.pop(i), self.opts.mask_fields)
+                self.states[i] = self.apply_flat(self.states[i].replace(opt_state=opt, model_state=o[2], rng=o[3]),
                                                  totals[i])
         losses = dict(zip(active, (float(x) for x in jax.device_get([outs[i][4] for i in active]))))
         if idle and self.encoder == "host":  # nothing else waits for these reads of the reused vector
@@ -183,8 +192,10 @@ class _Replicas:
         add_pieces(self.residuals[i], update)
         self.steps[i] += 1
         enc, self.residuals[i] = encode_step(self.algo, self.post, self.tstates[i], self.residuals[i],
-                                             self.scratch[i], self.steps[i])
+                                             self.scratch[i], self.steps[i], self.density)
         self.tstates[i] = enc.tstate
+        if self.opts.mask_fields:
+            self.sent[i] = sent_elements(enc.message, self.n)
         return enc
 
     def _encode_host(self, outs, active):
@@ -205,9 +216,14 @@ class _Replicas:
         moved, counts, ts = list(self.zeros), {}, {}
         for i in active:
             r = self.residuals[i] + outs[i][0]
-            self.tstates[i] = self.algo.prepare(self.tstates[i], _Lazy(r))
-            t = ts[i] = self.tstates[i].threshold
+            if self.density is None:
+                self.tstates[i] = self.algo.prepare(self.tstates[i], _Lazy(r))
+                t = ts[i] = self.tstates[i].threshold
+            else:  # the sparsity warm-up's threshold; the threshold algorithm waits (as encode_step)
+                t = ts[i] = threshold_for_density(r, self.density)
             moved[i], self.residuals[i], counts[i] = encode_on_device_jit(r, np.float32(t), min_count=2)
+            if self.opts.mask_fields:
+                self.sent[i] = moved[i] != 0
         totals = self.rt.exchange.sum(moved)  # over the devices, in XLA
         counts = dict(zip(counts, (int(c) for c in jax.device_get(list(counts.values())))))
         sent, sparsities = 0, []
@@ -222,7 +238,8 @@ class _Replicas:
                 host = np.array(self.residuals[i])
                 self.residuals[i] = jax.device_put(self.post.update(host, t, self.steps[i]), self.devices[i])
             sparsity = sparsity_of(counts[i], self.n)
-            self.tstates[i] = self.algo.update(self.tstates[i], sparsity)
+            if self.density is None:
+                self.tstates[i] = self.algo.update(self.tstates[i], sparsity)
             sparsities.append(sparsity)
         return totals, sent, [float(ts[i]) for i in active], sparsities
 
@@ -269,6 +286,7 @@ class SharingDeviceRun:
             for epoch in range(epochs):
                 reps.states = [s.replace(epoch=jax.device_put(np.int32(base_epoch + epoch), d))
                                for s, d in zip(reps.states, reps.devices)]
+                reps.density = warmup_density(reps.opts.warmup, int(base_epoch) + epoch)
                 done = set(skip) if epoch == 0 else set()
                 order = [i for i in range(len(refs)) if i not in done]
                 row = _Row(n_dev)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from .._base import Algorithm, choice, int_setting
 from ._device import SharingDeviceRun
+from ._dgc import DGC_SPARSITY_WARMUP, MOMENTUM_FIELDS
 from ._thresholds import AdaptiveThreshold, ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
 
 __all__ = ["GradientSharing", "MESHES"]
@@ -69,11 +72,35 @@ class GradientSharing(Algorithm):
         they applied the same messages (and lost or joining workers are handled).
     max_staleness : int
         How many steps a worker may run ahead of the slowest live peer.
+    momentum_masking : bool
+        Deep Gradient Compression's momentum-factor masking: after each step, the
+        updater's momentum (the fields named in ``momentum_fields`` of its optax state
+        that are shaped as the parameters: Adam's ``mu``, SGD momentum's ``trace``) is
+        set to zero at the elements the replica's message just sent, so that a
+        momentum built up in the residual does not push them again. Off by default;
+        an updater without momentum is refused when a fit starts.
+    momentum_fields : tuple of str
+        The optax state fields that hold a momentum (default ``("mu", "trace")``).
+    local_gradient_clipping : float, optional
+        Clip each replica's gradient by global norm before its updater, to this value
+        over the square root of the number of replicas (as DGC does). None (the
+        default): no clipping.
+    sparsity_warmup : tuple of float
+        A warm-up of the sparsity over the first epochs (the network's epoch counter,
+        from 0): in epoch ``e < len(sparsity_warmup)`` every replica sends the
+        fraction ``sparsity_warmup[e]`` of its residual's elements (the threshold is
+        the magnitude that sends it) and the threshold algorithm waits, starting
+        from its own initial state when the warm-up ends. DGC's is
+        ``GradientSharing.DGC_SPARSITY_WARMUP``, ``(0.25, 0.0625, 0.015625,
+        0.00390625)``. Empty (the default): none.
 
     Examples
     --------
     >>> GradientSharing(batch_size_per_worker=16).threshold_algorithm
     AdaptiveThreshold(initial=None, min_sparsity=0.0001, max_sparsity=0.01, decay=0.9659363289248456, warmup=20)
+    >>> GradientSharing(momentum_masking=True, local_gradient_clipping=1.0,
+    ...                 sparsity_warmup=GradientSharing.DGC_SPARSITY_WARMUP).sparsity_warmup
+    (0.25, 0.0625, 0.015625, 0.00390625)
     """
 
     threshold_algorithm: object = field(default_factory=_default_threshold)
@@ -84,8 +111,13 @@ class GradientSharing(Algorithm):
     steps_per_round: int = 16
     max_staleness: int = 4
     tree_fanout: int = 4
+    momentum_masking: bool = False
+    momentum_fields: tuple = MOMENTUM_FIELDS
+    local_gradient_clipping: float | None = None
+    sparsity_warmup: tuple = ()
 
     name = "sharing"
+    DGC_SPARSITY_WARMUP = DGC_SPARSITY_WARMUP
 
     def __post_init__(self):
         super().__post_init__()
@@ -107,6 +139,34 @@ class GradientSharing(Algorithm):
                             f"protocol), got {type(self.residual_post_processor).__name__}")
         if not isinstance(self.encoding_debug, bool):
             raise TypeError(f"encoding_debug must be True or False, got {self.encoding_debug!r}")
+        self._check_dgc()
+
+    def _check_dgc(self):
+        if not isinstance(self.momentum_masking, bool):
+            raise TypeError(f"momentum_masking must be True or False, got {self.momentum_masking!r}")
+        fields = self.momentum_fields
+        if isinstance(fields, str) or not isinstance(fields, (tuple, list)) or not fields \
+                or not all(isinstance(f, str) for f in fields):
+            raise TypeError("momentum_fields must be a non-empty tuple of optax state field names, for example "
+                            f"('mu', 'trace'), got {fields!r}")
+        object.__setattr__(self, "momentum_fields", tuple(fields))
+        clip = self.local_gradient_clipping
+        if clip is not None:
+            if isinstance(clip, bool) or not isinstance(clip, numbers.Real):
+                raise TypeError(f"local_gradient_clipping must be a number or None, got {type(clip).__name__}")
+            if not (math.isfinite(clip) and clip > 0):
+                raise ValueError(f"local_gradient_clipping must be a finite number > 0 (the global norm bound "
+                                 f"before dividing by sqrt(replicas)) or None, got {clip!r}")
+            object.__setattr__(self, "local_gradient_clipping", float(clip))
+        warm = self.sparsity_warmup
+        if isinstance(warm, (str, bytes)) or not isinstance(warm, (tuple, list)):
+            raise TypeError("sparsity_warmup must be a tuple of fractions sent per epoch, for example "
+                            f"GradientSharing.DGC_SPARSITY_WARMUP, or (), got {type(warm).__name__}")
+        for i, d in enumerate(warm):
+            if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 < d <= 1:
+                raise ValueError(f"sparsity_warmup[{i}] must be a fraction of elements in (0, 1], got {d!r} "
+                                 f"(in sparsity_warmup={tuple(warm)!r})")
+        object.__setattr__(self, "sparsity_warmup", tuple(float(d) for d in warm))
 
     # -- plug-in hooks ------------------------------------------------------------
     def create_driver(self, options):

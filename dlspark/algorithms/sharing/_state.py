@@ -19,10 +19,13 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from ... import config
+from ._dgc import find_momentum, local_clip_norm, mask_momentum, sent_elements, threshold_for_density
+from ._dgc import warmup_density
 from ._encoding import EMPTY, decode_into, empty_message, encode_scratch, threshold_encode
 from ._xla import sparsity_of
 
-__all__ = ["SharingState", "Encoded", "encode_step", "SumVectors", "add_pieces", "sharing_functions"]
+__all__ = ["SharingState", "Encoded", "encode_step", "SumVectors", "add_pieces", "sharing_functions", "ReplicaOptions",
+           "replica_options"]
 
 def _aligned_zeros(n):
     """A zeroed fp32 vector whose data starts on a 64-byte boundary: XLA's CPU client
@@ -56,6 +59,7 @@ class SharingFunctions(NamedTuple):
     flat_update: Callable
     apply_flat: Callable
     add_flat: Callable
+    mask_momentum: Callable
 
 
 def _sharing_functions(steps, params, donate_updater) -> SharingFunctions:
@@ -80,8 +84,8 @@ def _sharing_functions(steps, params, donate_updater) -> SharingFunctions:
     """
     unravel = ravel_pytree(params)[1]
 
-    def update(state, opt_state, batch):
-        u = steps.compute_update(state.replace(opt_state=opt_state), batch)
+    def update(state, opt_state, batch, clip=None):
+        u = steps.compute_update(state.replace(opt_state=opt_state), batch, clip)
         leaves = jax.tree_util.tree_leaves(u.updates)
         dtype = jnp.result_type(*leaves)  # what ravel_pytree(updates) would give: the updates' own
         pieces = [jnp.ravel(u).astype(dtype) for u in leaves]
@@ -90,8 +94,8 @@ def _sharing_functions(steps, params, donate_updater) -> SharingFunctions:
             finite = finite & jnp.all(jnp.isfinite(piece))
         return pieces, u.opt_state, u.model_state, u.rng, u.loss, finite
 
-    def flat_update(state, opt_state, batch):
-        pieces, *rest = update(state, opt_state, batch)
+    def flat_update(state, opt_state, batch, clip=None):
+        pieces, *rest = update(state, opt_state, batch, clip)
         return (jnp.concatenate(pieces), *rest)
 
     def apply_flat(state, flat):
@@ -100,9 +104,13 @@ def _sharing_functions(steps, params, donate_updater) -> SharingFunctions:
     def add_flat(state, flat):
         return state.replace(params=optax.apply_updates(state.params, unravel(flat)))
 
+    def masked(opt_state, sent, fields):
+        return mask_momentum(opt_state, sent, params, fields)
+
     donate = (1,) if donate_updater else ()
     return SharingFunctions(jax.jit(update, donate_argnums=donate), jax.jit(flat_update, donate_argnums=donate),
-                            jax.jit(apply_flat, donate_argnums=(0,)), jax.jit(add_flat, donate_argnums=(0,)))
+                            jax.jit(apply_flat, donate_argnums=(0,)), jax.jit(add_flat, donate_argnums=(0,)),
+                            jax.jit(masked, static_argnums=(2,)))
 
 
 def add_pieces(out: np.ndarray, pieces) -> np.ndarray:
@@ -141,19 +149,53 @@ class Encoded:
     tstate: object  # the threshold state after the step
 
 
-def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: int) -> tuple:
+def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: int, density=None) -> tuple:
     """A replica's encode of one step, on either runtime, after its update was added to its
     ``residual``: the threshold (``prepare``), the message of what crossed it (taken out of
     the residual, in place; fewer than 2 elements send an EMPTY note), the post-processor
     (``iteration``: the replica's message number, from 1), then the threshold's update with
     the sparsity sent (:func:`~._xla.sparsity_of`: a bitmap counts as 1/16, an empty
-    message as 0). Returns ``(Encoded, residual)``."""
-    tstate = algo.prepare(tstate, residual)
-    t = tstate.threshold
+    message as 0). Returns ``(Encoded, residual)``.
+
+    ``density`` (a sparsity warm-up's fraction for this epoch, see
+    :func:`~._dgc.warmup_density`): the threshold is the one that sends that fraction of
+    the residual instead, and the threshold algorithm's state is left as it was, so that
+    it starts (with its own warm-up) when the sparsity warm-up ends."""
+    if density is None:
+        tstate = algo.prepare(tstate, residual)
+        t = tstate.threshold
+    else:
+        t = threshold_for_density(residual, density)
     enc = threshold_encode(residual, t, out=residual, scratch=scratch, min_count=2)
     residual = post.update(residual, t, iteration)
     sparsity = sparsity_of(enc.count, residual.size)
-    return Encoded(enc.message, float(t), enc.count, sparsity, algo.update(tstate, sparsity)), residual
+    after = tstate if density is not None else algo.update(tstate, sparsity)
+    return Encoded(enc.message, float(t), enc.count, sparsity, after), residual
+
+
+class ReplicaOptions(NamedTuple):
+    """A master's per-step options (:func:`replica_options`) as a replica's step loop reads them."""
+
+    clip: object  # the jitted update's clip argument: None, or the bound as float32
+    mask_fields: tuple  # momentum fields to clear where sent; () for none
+    warmup: tuple  # the sparsity warm-up's fractions by epoch
+
+
+def replica_options(master, replicas: int, opt_state, params) -> ReplicaOptions:
+    """What ``master``'s momentum masking, local clipping and sparsity warm-up mean for a fit
+    of ``replicas`` replicas; an updater without momentum under ``momentum_masking`` is refused."""
+    fields = ()
+    if master.momentum_masking:
+        fields = tuple(master.momentum_fields)
+        if not find_momentum(opt_state, params, fields):
+            raise ValueError(f"momentum_masking=True clears the updater's momentum (its state's fields named "
+                             f"{fields}, shaped as the parameters), but the network's updater keeps none: use an "
+                             f"updater with momentum (optax.adam, optax.sgd(lr, momentum=0.9)), name its "
+                             f"fields in momentum_fields, or leave momentum_masking=False")
+    clip = None if master.local_gradient_clipping is None else local_clip_norm(master.local_gradient_clipping,
+                                                                               replicas)
+    return ReplicaOptions(clip, fields, tuple(master.sparsity_warmup))
+
 
 
 class SharingState:
@@ -194,6 +236,7 @@ class SharingState:
         self.relayed = 0
         fns = sharing_functions(job.net)
         self.update, self.apply_flat, self.add_flat = fns.update, fns.apply_flat, fns.add_flat
+        self.mask_momentum = fns.mask_momentum
 
     # -- inbox (event loop thread) -----------------------------------------------
     def receive(self, sender, step, message) -> bool:
@@ -291,10 +334,12 @@ class SharingState:
         stale_wait = 0.0
         state = job.state if self.device is None else jax.device_put(job.state, self.device)
         rec = job.stats
+        opts = replica_options(job.master, len(peers) + 1, state.opt_state, state.params)
+        density = warmup_density(opts.warmup, int(state.epoch))  # a round is within one epoch
         for done, (n_examples, batch) in enumerate(batches):
             stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
             rec.mark("wait_peers")
-            pieces, opt, ms, rng, loss, finite = self.update(state, state.opt_state, batch)
+            pieces, opt, ms, rng, loss, finite = self.update(state, state.opt_state, batch, opts.clip)
             finite = bool(finite)
             rec.mark("fit", examples=n_examples)
             if not finite:
@@ -315,8 +360,11 @@ class SharingState:
             add_pieces(self.residual, pieces)
             self.step += 1
             enc, self.residual = encode_step(self.algo, self.post, self.tstate, self.residual, self.scratch,
-                                             self.step)
+                                             self.step, density)
             t, message = enc.threshold, enc.message
+            if opts.mask_fields:
+                state = state.replace(opt_state=self.mask_momentum(state.opt_state, sent_elements(message, self.n),
+                                                                   opts.mask_fields))
             if rec.on:
                 rec.mark("encode", step=self.step, threshold=float(t), sparsity=enc.count / self.n,
                          bytes=int(message.nbytes))
