@@ -67,6 +67,14 @@ from bench_parity import BATCH, _load, _save, make_master, shuffled  # noqa: E40
 SEEDS = tuple(range(10))
 #: algorithm -> options: the defaults as shipped (no option is set here)
 ALGORITHMS = {"averaging": {}, "sharing": {}}
+#: options measured against the defaults (run name -> (algorithm, its options)); not part of
+#: the default grid: name them in --algorithms, and compare them with ``--against sharing``
+OPTIONS = {
+    "sharing-masking": ("sharing", {"momentum_masking": True}),
+    "sharing-clipping": ("sharing", {"local_gradient_clipping": 1.0}),
+    "sharing-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
+}
+RUNS = {**{a: (a, o) for a, o in ALGORITHMS.items()}, **OPTIONS}
 WORKERS = (2, 4)
 #: the rule (points): every task's mean paired difference, and their average over the suite
 RULE_EVERY, RULE_MEAN = -1.0, -0.5
@@ -310,7 +318,8 @@ def distributed_fit(client, task, data, seed, algorithm):
 
     train, test = data
     net = make_network(task, train, seed)
-    master = make_master(algorithm, ALGORITHMS[algorithm])
+    algorithm, options = RUNS[algorithm]
+    master = make_master(algorithm, options)
     with dlspark.DistributedTrainer(client, net, master, progress=False) as trainer:
         trainer.fit(shuffled(train, seed), epochs=task.epochs)
         out = {"value": score(task, trainer.network, test)}
@@ -343,7 +352,7 @@ def summary(results):
     rows, means = [], {}
     for name, task in TASKS.items():
         for w in sorted({r["workers"] for r in results if r["task"] == name and r["workers"] > 1}):
-            for run in [a for a in ALGORITHMS if any(r["task"] == name and r["run"] == a for r in results)]:
+            for run in [a for a in RUNS if any(r["task"] == name and r["run"] == a for r in results)]:
                 d = paired_points(results, name, run, w, ("single", 1))
                 g = paired_points(results, name, run, w, ("single-global", w))
                 if d:
@@ -362,6 +371,7 @@ def summary(results):
                f"{SEEDS[0]}-{SEEDS[-1]}, these results cover {len({r['task'] for r in results})} tasks and "
                f"{len(seeds)} seeds." if len({r["task"] for r in results}) < len(TASKS) or len(seeds) < len(SEEDS)
                else "")
+    options = options_table(results)
     return [
         {"title": "Paired differences from the single process (points; positive is better)",
          "columns": ["task", "held out", "metric", "algorithm", "workers", "seeds", "mean", "se", "min / max",
@@ -370,7 +380,7 @@ def summary(results):
         {"title": "The rule: every task's mean >= -1.0 point, their average >= -0.5",
          "columns": ["algorithm", "workers", "tasks", "worst task's mean", "average over tasks", "holds"],
          "rows": rule, **({"note": partial} if partial else {})},
-    ]
+    ] + ([options] if options else [])
 
 
 def _machine():
@@ -479,7 +489,9 @@ def main(argv=None):
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--seeds", nargs="+", type=_seed, default=list(SEEDS), help="default: all, %(default)s")
     p.add_argument("--workers", nargs="+", type=_workers, default=list(WORKERS))
-    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(RUNS),
+                   help="default: %(default)s; the options in OPTIONS are measured by naming them")
+
     p.add_argument("--out", default="suite.json", help="results and tables, JSON (resumed if it exists)")
     p.add_argument("--source", default="benchmarks/bench_suite.py, written as each result came",
                    help="the source line written into --out (what the run was)")
@@ -494,6 +506,25 @@ def main(argv=None):
             print(" | ".join(map(str, row)))
         if table.get("note"):
             print(table["note"])
+
+
+def options_table(results):
+    """Each option's paired differences (points, by seed) from its algorithm with defaults, at
+    the same task and worker count; None where no option was run."""
+    rows, means = [], {}
+    for name in TASKS:
+        for w in sorted({r["workers"] for r in results if r["task"] == name and r["workers"] > 1}):
+            for run, (algorithm, _) in OPTIONS.items():
+                d = paired_points(results, name, run, w, (algorithm, w))
+                if d:
+                    means.setdefault((run, w), []).append(float(np.mean(d)))
+                    rows.append([name, run, algorithm, w, len(d), *_spread(d)])
+    if not rows:
+        return None
+    rows += [["all tasks (mean of the tasks' means)", run, RUNS[run][0], w, "", f"{np.mean(m):+.2f}", "",
+              f"{min(m):+.2f} / {max(m):+.2f} (tasks)"] for (run, w), m in sorted(means.items())]
+    return {"title": "Options against their algorithm with defaults (paired points; positive: the option is better)",
+            "columns": ["task", "option", "against", "workers", "seeds", "mean", "se", "min / max"], "rows": rows}
 
 
 if __name__ == "__main__":

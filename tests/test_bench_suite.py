@@ -51,3 +51,16 @@ def test_cli_rejects_a_seed_outside_the_suite(capsys):
     with pytest.raises(SystemExit):
         bench_suite.main(["--seeds", "12", "--table", "--out", os.devnull])
     assert "--seeds takes seeds of the suite, 0 to 9; got 12" in capsys.readouterr().err
+
+
+def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaults():
+    from bench_parity import make_master
+
+    for name, (algorithm, options) in bench_suite.OPTIONS.items():
+        master = make_master(algorithm, options)
+        assert all(getattr(master, k) == (tuple(v) if isinstance(v, list) else v) for k, v in options.items()), name
+    results = [{"task": "cancer", "run": run, "workers": 2, "seed": s, "value": v}
+               for s in (0, 1) for run, v in (("sharing", 0.90), ("sharing-masking", 0.91 + s / 100))]
+    table = bench_suite.options_table(results)
+    assert table["rows"][0][:6] == ["cancer", "sharing-masking", "sharing", 2, 2, "+1.50"]
+    assert bench_suite.options_table([r for r in results if r["run"] == "sharing"]) is None
