@@ -185,12 +185,15 @@ def run_torch(net, n, epochs, runs, hook, world):
     result = json.loads(outs[0][0].strip().splitlines()[-1])
     if world > 1:  # warm fit + runs: the counters saw runs + 1 fits
         result["wire_tx_per_worker"] = sum(wire[h.name]["tx"] for h in net.hosts[:world]) / world / (runs + 1)
+        result["wire_rx_per_worker"] = sum(wire[h.name]["rx"] for h in net.hosts[:world]) / world / (runs + 1)
     return result
 
 
-CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd")
+CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd",
+              "averaging5-no-updater")
 #: measured by default; torch 2.13's powerSGD_hook fails a collective on gloo here ("Received data
-#: size doesn't match expected size"), so it runs only when named
+#: size doesn't match expected size"), so it runs only when named, as does averaging without
+#: save_updater (whose rounds carry the parameters alone)
 DEFAULT_CONTENDERS = CONTENDERS[:5]
 
 
@@ -201,6 +204,8 @@ def _master(name):
 
     if name == "averaging5":
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=5)
+    if name == "averaging5-no-updater":
+        return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=5, save_updater=False)
     if name == "averaging50-outer":
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=50,
                                           outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
@@ -220,7 +225,7 @@ def run_dlspark(net, client, name, n, epochs, runs):
     trainer = dlspark.DistributedTrainer(client, model, _master(name), progress=False)
     try:
         trainer.fit(data, epochs=epochs)  # warm: compiles, exports
-        seconds, wire, reported = [], [], []
+        seconds, wire, received, reported = [], [], [], []
         for _ in range(runs):
             before = net.wire_bytes()
             t0 = time.perf_counter()
@@ -228,11 +233,12 @@ def run_dlspark(net, client, name, n, epochs, runs):
             seconds.append(time.perf_counter() - t0)
             d = net.wire_delta(before, net.wire_bytes())
             wire.append(sum(d[h.name]["tx"] for h in net.hosts) / len(net.hosts))
+            received.append(sum(d[h.name]["rx"] for h in net.hosts) / len(net.hosts))
             reported.append(sum(s.get("bytes_sent", 0) + s.get("bytes_received", 0)
                                 for s in trainer.last_fit_stats) / len(net.hosts))
         trained = sum(s["minibatches"] for s in trainer.last_fit_stats)
         return {"seconds": seconds, "examples": trained * BATCH, "wire_tx_per_worker": statistics.median(wire),
-                "reported_per_worker": statistics.median(reported)}
+                "wire_rx_per_worker": statistics.median(received), "reported_per_worker": statistics.median(reported)}
     finally:
         trainer.close()
 
@@ -256,6 +262,7 @@ def measure(net, client, contender, rate, n, epochs, runs, single=None):
     out = {"contender": contender, "rate": rate, "examples_per_s": _spread(speeds),
            "over_plain": _spread([s / plain for s in speeds]), "plain_examples_per_s": [plain_before, plain_after],
            "fit_seconds": _spread(r["seconds"]), "wire_tx_per_worker_per_fit": r.get("wire_tx_per_worker"),
+           "wire_rx_per_worker_per_fit": r.get("wire_rx_per_worker"),
            "reported_per_worker_per_fit": r.get("reported_per_worker")}
     if single:
         out["over_own_single_process"] = _spread([s / single for s in speeds])
