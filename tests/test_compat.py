@@ -632,3 +632,22 @@ def test_the_estimator_params_build_the_master_and_are_refused_by_name():
 
 class GradientSharingLike:
     """Not a training master."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nnx", "equinox", "keras"])
+def test_nnx_equinox_and_keras_networks_run_on_the_executors(sc, kind, digits):
+    # the network (its model pickled with it) is unpickled by Spark's Python workers: keyed
+    # inference and evaluation there equal the driver's, batch statistics and all
+    from test_models import make_network
+
+    net = make_network(kind, digits)
+    net.fit(digits[0][:320], epochs=1, batch_size=32)  # batch statistics move off their initial values
+    te = digits[1][:200]
+    sparkNet = SparkDl4jMultiLayer(sc, net, None)
+    pairs = sc.parallelize([(i, te.features[i]) for i in range(len(te))], 4)
+    out = sparkNet.feedForwardWithKey(pairs, 32).collectAsMap()
+    np.testing.assert_allclose(np.stack([out[i] for i in range(len(te))]), net.output(te.features),
+                               rtol=1e-5, atol=1e-5)
+    local = float((np.asarray(net.output(te.features)).argmax(-1) == np.asarray(te.labels).argmax(-1)).mean())
+    assert sparkNet.evaluate(sc.parallelize(te.batches(50), 4)).accuracy() == pytest.approx(local)
