@@ -236,7 +236,7 @@ def test_the_later_of_two_workers_reads_the_contribution_its_peer_offered(client
     net = make_net(updater=optax.adam(1e-2))
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, collect_training_stats=True)
     trainer = DistributedTrainer(client2, net, master, progress=False)
-    trainer.fit_paths(str(tmp_path / "mb"), epochs=2, loader=slow_loader(0.03, pid=client2.run(os.getpid)[slow]))
+    trainer.fit_paths(str(tmp_path / "mb"), epochs=2, loader=slow_loader(0.1, pid=client2.run(os.getpid)[slow]))
     fetches = sorted((e for e in trainer.training_stats.events if e["phase"] == "fetch"), key=lambda e: e["round"])
     offered = {w: [e["offered"] for e in fetches if e["worker"] == w] for w in {e["worker"] for e in fetches}}
     assert len(offered) == 2 and len(offered[slow]) == 6  # 18 minibatches an epoch: 3 rounds of 2 x 3

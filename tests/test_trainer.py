@@ -508,7 +508,7 @@ def test_a_hung_worker_without_a_nanny_is_dropped_when_its_heartbeats_stop(make_
 
     tr, _ = digits
     urls = dlspark.data.save_minibatches(tr[:640], url=str(tmp_path / "mb"), batch_size=16)
-    with dask.config.set({"distributed.scheduler.worker-ttl": "2s"}), local_cluster(1) as cluster, \
+    with dask.config.set({"distributed.scheduler.worker-ttl": "5s"}), local_cluster(1) as cluster, \
             Client(cluster) as client:
         bare = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
                                  "--no-nanny", "--nthreads", "1", "--name", "bare"],
