@@ -196,17 +196,3 @@ def slow_loader(delay, pid=None):
         return dlspark.data.load_minibatch(url)
 
     return load
-
-
-# The suite runs its files on two processes (pytest-xdist, --dist loadfile, in pyproject's addopts),
-# each file handed to whichever process is free next. The longest files go first, so that the run
-# does not end with one process working through a long file while the other has nothing left
-# (each file's own tests keep their order; their module-scoped clusters are unaffected).
-LONGEST_FIRST = ("test_docs.py", "test_models.py", "test_device_dryrun.py", "test_reliability.py",
-                 "test_parallel.py", "test_sharing.py", "test_network_emulated.py", "test_trainer.py",
-                 "test_compat.py", "test_network.py", "test_compat_programs.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
