@@ -135,3 +135,25 @@ def test_both_runtimes_give_gradient_sharings_statistics_and_figures_alike(clien
         assert t.communication["bytes_sent"] == sum(s["bytes_sent"] for s in t.last_fit_stats) > 0
         assert t.replica_divergence < 1e-5
         assert len(t.last_fit_stats[-1]["threshold"]) == 2
+
+
+@pytest.mark.slow
+def test_synchronous_delivery_gives_the_wrappers_bits_on_a_cluster_with_several_steps_a_round(
+        client2, make_net, digits):
+    # max_staleness=0: every worker applies exactly its peers' messages of a step before its next
+    # step, as the wrapper's replicas do; and the wrapper deals minibatches with the cluster's
+    # planner (a run of 4 consecutive minibatches per replica and round, not 2j and 2j+1 at
+    # step j), so the two runtimes train the same minibatches in the same order. With two
+    # replicas the sums are the same bits (a + b == b + a), so the parameters are equal exactly.
+    tr, _ = digits
+    master = GradientSharing(batch_size_per_worker=32, steps_per_round=4, max_staleness=0,
+                             training_approach="direct")
+    cluster = DistributedTrainer(client2, make_net(), master, progress=False)
+    cluster.fit(tr[:512])  # 16 minibatches: 2 rounds of 4 steps on each of 2 replicas
+    here = ParallelWrapper(make_net(), master, CPU2, progress=False, sharing_encoder="host")
+    here.fit(tr[:512])
+    for t in (cluster, here):
+        assert [sorted(s["worker_steps"].values()) for s in t.last_fit_stats] == [[4, 4]] * 2
+    _same(cluster.network.state.params, here.network.state.params, atol=0.0)
+    assert cluster.communication["bytes_sent"] == here.communication["bytes_sent"] > 0
+    assert sorted(cluster.last_fit_stats[-1]["threshold"].values()) == sorted(here.last_fit_stats[-1]["threshold"].values())

@@ -1,8 +1,12 @@
 """Gradient sharing over the devices of one process (the device runtime, :mod:`dlspark._mesh`).
 
 Every device holds a replica with its own updater state, residual and threshold.
-The replicas step in lockstep: at step ``j`` device ``i`` fits minibatch ``j * n +
-i`` of the epoch and runs the workers' own step (:func:`~._state.encode_step`: the
+Rounds are planned by the cluster's own planner
+(:class:`~dlspark.distributed._plan.Coordinator`, device ``i`` standing where the
+``i``-th worker in address order stands), so the minibatch-to-replica assignment
+follows partitions, ``repartition`` and the balanced split as on a cluster with as
+many workers. The replicas step in lockstep: at a round's step ``j`` device ``i``
+fits the ``j``-th minibatch of its share and runs the workers' own step (:func:`~._state.encode_step`: the
 update added to the residual, the part that crossed the threshold taken out as a
 message, the post-processor, the threshold's update), and every replica applies
 the sum of all devices' messages, so that the parameters stay equal. This is
@@ -26,6 +30,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..._mesh import FitOutcome, replica_rngs
+from ...distributed._plan import Coordinator
 from ...stats._record import RoundStats, iteration_rows
 from ._encoding import EMPTY, decode_into, encode_scratch
 from ._messages import SharingFigures
@@ -58,34 +63,54 @@ class _Lazy:
         return a if dtype is None else a.astype(dtype)
 
 
-def _loader(runtime, refs, order, depth):
-    """Yield each step's minibatches, ``[(examples, batch on its device) or None] * devices``,
-    loaded ahead on a thread (``depth`` steps)."""
+def _schedule(master, partitions, epochs, skip, n_dev):
+    """The fit's rounds as the cluster's planner deals them: for each round its plan, the
+    planner's progress after it and its steps, each ``[minibatch index or None] * n_dev``
+    (a replica whose share is shorter idles at the round's last steps). Planning is
+    deterministic here (no replica is ever lost)."""
+    planner = Coordinator(partitions, epochs, master.steps_per_round, master.repartition,
+                          master.repartition_strategy, skip=skip)
+    ranks = list(range(n_dev))
+    while (plan := planner.plan_round(ranks)) is not None:
+        planner.complete_round(plan, plan.contributors)
+        shares = [plan.assignment.get(r) or [] for r in ranks]
+        steps = [[s[j] if j < len(s) else None for s in shares] for j in range(max(map(len, shares)))]
+        yield plan, planner.progress(), steps
+
+
+def _loader(runtime, refs, rounds, depth):
+    """Yield ``(plan, progress, step in the round, steps in the round, batches)`` for every
+    step, ``batches`` being ``[(examples, batch on its device) or None] * devices``, loaded
+    ahead on a thread (``depth`` steps)."""
     devices = runtime.devices
-    n = len(devices)
-    steps = [order[j:j + n] for j in range(0, len(order), n)]
     q: queue.Queue = queue.Queue(maxsize=max(depth, 1))
     stop = threading.Event()
 
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False  # the fit stopped waiting
+
     def produce():
         try:
-            for group in steps:
-                out = []
-                for i, dev in enumerate(devices):
-                    if i < len(group):
-                        ds = runtime.load(refs[group[i]])
-                        out.append((len(ds), jax.device_put(ds.jit_batch(), dev)))
-                    else:
-                        out.append(None)
-                while not stop.is_set():
-                    try:
-                        q.put(out, timeout=0.05)
-                        break
-                    except queue.Full:
-                        pass
-            q.put(None)
+            for plan, progress, steps in rounds:
+                for j, group in enumerate(steps):
+                    out = []
+                    for i, dev in enumerate(devices):
+                        if group[i] is not None:
+                            ds = runtime.load(refs[group[i]])
+                            out.append((len(ds), jax.device_put(ds.jit_batch(), dev)))
+                        else:
+                            out.append(None)
+                    if not put((plan, progress, j, len(steps), out)):
+                        return
+            put(None)
         except BaseException as e:  # raised where the fit waits for the step
-            q.put(e)
+            put(e)
 
     thread = threading.Thread(target=produce, name="dlspark-parallel-load", daemon=True)
     thread.start()
@@ -282,33 +307,29 @@ class SharingDeviceRun:
             def on_bad(i, loss):
                 net.nonfinite(base_step + trained, loss)
 
-            round_no = 0
-            for epoch in range(epochs):
-                reps.states = [s.replace(epoch=jax.device_put(np.int32(base_epoch + epoch), d))
-                               for s, d in zip(reps.states, reps.devices)]
-                reps.density = warmup_density(reps.opts.warmup, int(base_epoch) + epoch)
-                done = set(skip) if epoch == 0 else set()
-                order = [i for i in range(len(refs)) if i not in done]
-                row = _Row(n_dev)
-                t_round = rt.clock()
-                for j, batches in enumerate(_loader(rt, refs, order, depth)):
-                    t0 = rt.clock()
-                    losses, examples, sent, ts, sp = reps.step(batches, on_bad)
-                    row.add(rt.clock() - t0, losses, examples, sent, 4 * reps.n * (n_dev - 1) * len(losses), ts, sp)
-                    trained += len(losses)
-                    done.update(order[j * n_dev:(j + 1) * n_dev])  # a skipped non-finite minibatch counts as done
-                    if (j + 1) % master.steps_per_round == 0 or len(done) == len(refs):
-                        round_no += 1
-                        stat = row.finish(round_no, epoch, trained, rt.clock() - t_round)
-                        stats.append(stat)
-                        rt.report(stat)
-                        if checkpoint_every and round_no % checkpoint_every == 0:
-                            over = len(done) == len(refs)  # an epoch's last round: the checkpoint is at the next's start
-                            progress = {"epoch": epochs_done + epoch + over, "done": [] if over else sorted(done),
-                                        "epochs_total": epochs_total, "minibatches": len(refs)}
-                            reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + epoch + over,
-                                                  progress)
-                        row, t_round = _Row(n_dev), rt.clock()
+            rounds = _schedule(master, partitions, epochs, skip, n_dev)
+            epoch = None
+            for plan, progress, j, n_steps, batches in _loader(rt, refs, rounds, depth):
+                if plan.epoch != epoch:  # an epoch's first step
+                    epoch = plan.epoch
+                    reps.states = [s.replace(epoch=jax.device_put(np.int32(base_epoch + epoch), d))
+                                   for s, d in zip(reps.states, reps.devices)]
+                    reps.density = warmup_density(reps.opts.warmup, int(base_epoch) + epoch)
+                if j == 0:
+                    row, t_round = _Row(n_dev), rt.clock()
+                t0 = rt.clock()
+                losses, examples, sent, ts, sp = reps.step(batches, on_bad)
+                row.add(rt.clock() - t0, losses, examples, sent, 4 * reps.n * (n_dev - 1) * len(losses), ts, sp)
+                trained += len(losses)  # a skipped non-finite minibatch counts as done, not as trained
+                if j == n_steps - 1:
+                    stat = row.finish(plan.round, epoch, trained, rt.clock() - t_round)
+                    stats.append(stat)
+                    rt.report(stat)
+                    if checkpoint_every and plan.round % checkpoint_every == 0:
+                        # the planner's place after the round (after an epoch's last: the next one's start)
+                        after = progress["epoch"]
+                        prog = dict(progress, epoch=epochs_done + after, epochs_total=epochs_total)
+                        reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + after, prog)
             final = jax.device_put(reps.states[0].replace(step=np.int32(base_step + trained),
                                                           epoch=np.int32(base_epoch + epochs)), home)
             return FitOutcome(final, stats, replica_params=[s.params for s in reps.states],

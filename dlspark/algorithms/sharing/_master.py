@@ -71,7 +71,11 @@ class GradientSharing(Algorithm):
         between steps; at the end of each such round the replicas confirm
         they applied the same messages (and lost or joining workers are handled).
     max_staleness : int
-        How many steps a worker may run ahead of the slowest live peer.
+        How many steps a worker may run ahead of the slowest live peer. ``0`` is
+        synchronous delivery: at the end of each step a worker waits for every live
+        peer's message of that step and applies exactly those, so that every replica
+        starts its next step from the same sum of the same messages, as in
+        :class:`~dlspark.ParallelWrapper` (with two workers, the same bits).
     momentum_masking : bool
         Deep Gradient Compression's momentum-factor masking: after each step, the
         updater's momentum (the fields named in ``momentum_fields`` of its optax state

@@ -266,11 +266,12 @@ class SharingState:
         with self.lock:
             return [self.store[tuple(k)] for k in keys]
 
-    def _drain_into(self, total, only=None):
-        """Apply every message in the inbox not yet applied (of those in ``only``, if given);
-        returns how many."""
+    def _drain_into(self, total, only=None, upto=None):
+        """Apply every message in the inbox not yet applied (of those in ``only``, if given; with
+        ``upto``, ``{sender: step}``, only a sender's messages up to that step); returns how many."""
         with self.lock:
-            items = [(k, m) for k, m in self.inbox.items() if k not in self.applied and (only is None or k in only)]
+            items = [(k, m) for k, m in self.inbox.items() if k not in self.applied and (only is None or k in only)
+                     and (upto is None or k[1] <= upto.get(k[0], 0))]
             for k, _ in items:
                 self.applied.add(k)
         for _, m in items:
@@ -302,6 +303,28 @@ class SharingState:
                 if left <= 0:
                     self.gone.update(behind)  # the round's sync sorts out what they sent
                     return timeout
+                self.lock.wait(min(left, 0.05))
+
+    def _wait_for_step(self, peers, done):
+        """Synchronous delivery (``max_staleness=0``): block until every live peer's message of
+        this round's step ``done`` (0-based) is here, or the peer's share ended before it; returns
+        the seconds waited and ``{peer: its last step to apply now}``."""
+        began = time.monotonic()
+        deadline = began + config.get_seconds("sharing.stale-timeout")
+        upto = {p: start + min(done + 1, quota) for p, (start, quota) in peers.items()}
+
+        def missing(p):
+            return upto[p] > peers[p][0] and (p, upto[p]) not in self.store and (p, upto[p]) not in self.applied
+
+        with self.lock:
+            while True:
+                behind = [p for p in peers if p not in self.gone and missing(p)]
+                if not behind:
+                    return time.monotonic() - began, upto
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.gone.update(behind)  # the round's sync sorts out what they sent
+                    return time.monotonic() - began, upto
                 self.lock.wait(min(left, 0.05))
 
     # -- the step loop (compute thread) ------------------------------------------
@@ -336,6 +359,7 @@ class SharingState:
         rec = job.stats
         opts = replica_options(job.master, len(peers) + 1, state.opt_state, state.params)
         density = warmup_density(opts.warmup, int(state.epoch))  # a round is within one epoch
+        sync = job.master.max_staleness == 0
         for done, (n_examples, batch) in enumerate(batches):
             stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
             rec.mark("wait_peers")
@@ -374,7 +398,12 @@ class SharingState:
             self._publish(message, send)
             rec.mark("send")
             nbytes += message.nbytes * len(peers)
-            self._drain_into(total)
+            upto = None
+            if sync:  # every peer's message of this step, and none of a later one
+                waited, upto = self._wait_for_step(peers, done)
+                stale_wait += waited
+                rec.mark("wait_peers")
+            self._drain_into(total, upto=upto)
             rec.mark("decode")
             state = self.apply_flat(state, jax.dlpack.from_dlpack(total) if self.in_place else jnp.asarray(total))
             if rec.on:  # the apply's own time: wait for it (only while recording)
