@@ -190,10 +190,11 @@ def run_torch(net, n, epochs, runs, hook, world):
 
 
 CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd",
-              "averaging5-no-updater")
+              "averaging5-no-updater", "localsgd50-bf16-outer")
 #: measured by default; torch 2.13's powerSGD_hook fails a collective on gloo here ("Received data
 #: size doesn't match expected size"), so it runs only when named, as does averaging without
-#: save_updater (whose rounds carry the parameters alone)
+#: save_updater (whose rounds carry the parameters alone) and LocalSGD (averaging50-outer's rounds
+#: with the pseudo-gradient sent in bfloat16, error feedback kept on each replica)
 DEFAULT_CONTENDERS = CONTENDERS[:5]
 
 
@@ -208,9 +209,12 @@ def _master(name):
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=5, save_updater=False)
     if name == "averaging50-outer":
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=50,
-                                          outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
+                                                     outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
     if name == "sharing":
         return dlspark.GradientSharing(batch_size_per_worker=BATCH)
+    if name == "localsgd50-bf16-outer":
+        return dlspark.algorithms.LocalSGD(local_steps=50, batch_size_per_worker=BATCH,
+                                           outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
     raise ValueError(f"contender must be one of {CONTENDERS}, got {name!r}")
 
 
@@ -312,6 +316,7 @@ def main(argv=None):
     from dlspark.testing import emulated_cluster
 
     rows = []
+    load_before = os.getloadavg()
     jax_single = statistics.median(run_plain(a.examples, a.epochs) for _ in range(3))
     torch_one = torch_single(a.examples, a.epochs, a.runs) if any(c.startswith("ddp") for c in a.contenders) else None
     t_start = time.time()
@@ -328,8 +333,9 @@ def main(argv=None):
                       f"reported {row['reported_per_worker_per_fit'] or 0:.3g}", flush=True)
     result = {"suite": "network",
               "command": "python benchmarks/bench_network.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": f"{os.cpu_count()} CPU cores shared with other jobs (loaded while measured); 2 workers, "
-                         "each a network namespace pinned to its own core",
+              "machine": f"{os.cpu_count()} CPU cores, load average {load_before[0]:.2f} at the start and "
+                         f"{os.getloadavg()[0]:.2f} at the end (1-minute); 2 workers, each a network namespace "
+                         "pinned to its own core",
               "source": "benchmarks/bench_network.py, one run of the command above",
               "tables": [table(rows, a)], "workers": 2, "examples": a.examples, "epochs": a.epochs,
               "batch_per_worker": BATCH, "runs": a.runs, "plain_jax_examples_per_s": jax_single,

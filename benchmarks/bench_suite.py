@@ -68,11 +68,17 @@ SEEDS = tuple(range(10))
 #: algorithm -> options: the defaults as shipped (no option is set here)
 ALGORITHMS = {"averaging": {}, "sharing": {}}
 #: options measured against the defaults (run name -> (algorithm, its options)); not part of
-#: the default grid: name them in --algorithms, and compare them with ``--against sharing``
+#: the default grid: name them in --algorithms (each is tabled against its algorithm with defaults)
 OPTIONS = {
     "sharing-masking": ("sharing", {"momentum_masking": True}),
     "sharing-clipping": ("sharing", {"local_gradient_clipping": 1.0}),
     "sharing-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
+    # parameter averaging's settings against its defaults (frequency 5, plain mean, the
+    # updater's state averaged): fewer rounds, DiLoCo's outer Nesterov step, the state kept
+    "averaging-f20": ("averaging", {"averaging_frequency": 20}),
+    "averaging-f5-nesterov": ("averaging", {"averaging_frequency": 5, "outer": "nesterov"}),
+    "averaging-f50-nesterov": ("averaging", {"averaging_frequency": 50, "outer": "nesterov"}),
+    "averaging-no-updater": ("averaging", {"save_updater": False}),
 }
 RUNS = {**{a: (a, o) for a, o in ALGORITHMS.items()}, **OPTIONS}
 WORKERS = (2, 4)
