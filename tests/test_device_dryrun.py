@@ -45,7 +45,7 @@ def report(tmp_path_factory):
 def test_the_dry_run_runs_every_section_but_the_gpu_readings(report):
     assert report["schema"] == 1 and report["dry_run"] is True and report["finished"]
     assert report["install"]["versions"]["dask"] and "nothing" in report["install"]["done"]
-    assert list(report["sections"]) == ["gpu_cluster", "gpu_parallel", "many_core", "network"]
+    assert list(report["sections"]) == ["gpu_cluster", "gpu_parallel", "network", "many_core"]
     for name in ("gpu_cluster", "gpu_parallel", "many_core"):
         section = report["sections"][name]
         assert section["status"] == "ok", (name, section.get("log_tail"))
@@ -123,3 +123,40 @@ def test_a_wheel_whose_hash_the_lock_does_not_list_is_refused(tmp_path):
     (tmp_path / "toolz-1.2.0-py3-none-any.whl").unlink()
     with pytest.raises(ValueError, match=r"no wheel of toolz==1.2.0 in .*fetch_wheels.py"):
         check_wheels(str(tmp_path), str(lock))
+
+
+def test_a_debian_package_is_unpacked_beside_the_tree_and_its_programs_run_with_its_libraries(tmp_path):
+    # a host without iproute2 gets it from benchmarks/device/debs this way (nothing installed)
+    import shutil
+
+    import run
+
+    if shutil.which("dpkg-deb") is None:
+        pytest.skip("dpkg-deb is not installed (a Debian tool): the package cannot be built here")
+    pkg = tmp_path / "pkg"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "DEBIAN" / "control").write_text("Package: dlspark-probe\nVersion: 1.0\nArchitecture: all\n"
+                                            "Maintainer: dlspark\nDescription: a test package\n")
+    (pkg / "usr" / "sbin").mkdir(parents=True)
+    (pkg / "usr" / "sbin" / "probe").write_text('#!/bin/sh\necho "libraries: $LD_LIBRARY_PATH"\n')
+    (pkg / "usr" / "sbin" / "probe").chmod(0o755)
+    (pkg / "usr" / "lib" / "x86_64-linux-gnu").mkdir(parents=True)
+    (pkg / "usr" / "lib" / "x86_64-linux-gnu" / "libprobe.so.1").write_bytes(b"\x7fELF")
+    debs = tmp_path / "debs"
+    debs.mkdir()
+    subprocess.run(["dpkg-deb", "--build", str(pkg), str(debs / "probe_1.0_all.deb")], check=True,
+                   capture_output=True)
+    prefix = tmp_path / "prefix"
+    tools = run.unpack_debs(str(debs), str(prefix))
+    assert tools["packages"] == ["probe_1.0_all.deb"]
+    assert (prefix / "usr" / "lib" / "x86_64-linux-gnu" / "libprobe.so.1").read_bytes() == b"\x7fELF"
+    out = subprocess.run([os.path.join(tools["bin"], "probe")], capture_output=True, text=True, check=True).stdout
+    assert f"{prefix}/usr/lib/x86_64-linux-gnu" in out
+    env = run._env_for("network", True, None, str(tmp_path), tools)
+    assert env["PATH"].split(os.pathsep)[0] == tools["bin"]
+    assert "PATH" not in {k for k, v in run._env_for("many_core", True, None, str(tmp_path), tools).items()
+                          if v != os.environ.get(k)}
+    assert run.unpack_debs(str(tmp_path / "none"), str(prefix)) == {"packages": []}
+    (debs / "bad.deb").write_bytes(b"not an archive")
+    with pytest.raises(ValueError, match="bad.deb is not a Debian package"):
+        run.unpack_debs(str(debs), str(tmp_path / "prefix2"))

@@ -4,6 +4,7 @@ pure-Python needs for Python 3.12 on manylinux x86-64, as listed (versions and s
 where ``run.py`` installs them offline::
 
     python benchmarks/device/fetch_wheels.py            # fetch what wheels.lock lists, check the hashes
+    python benchmarks/device/fetch_wheels.py --debs     # also iproute2's Debian packages (apt-get download)
     python benchmarks/device/fetch_wheels.py --relock /path/to/python3.12 dask==X distributed==X
 
 ``--relock`` resolves the closure anew with that interpreter's pip (pip evaluates the
@@ -32,6 +33,11 @@ TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--implementation",
           *[a for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                         "manylinux2014_x86_64", "manylinux_2_12_x86_64", "manylinux2010_x86_64",
                         "manylinux_2_5_x86_64", "manylinux1_x86_64") for a in ("--platform", p)]]
+
+#: iproute2 and the libraries its ip, tc and bridge link to, for a host without them (the
+#: network section; run.py unpacks them into a folder of its own, nothing is installed)
+DEBS = os.path.join(HERE, "debs")
+DEB_PACKAGES = ("iproute2", "libbpf1", "libelf1", "libmnl0", "libbsd0", "libmd0", "libcap2", "libxtables12")
 
 _LINE = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s\\]+)")
 _HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})")
@@ -87,6 +93,17 @@ def fetch(folder: str = WHEELS, lock: str = LOCK) -> list:
     return check_wheels(folder, lock)
 
 
+def fetch_debs(folder: str = DEBS) -> list:
+    """``apt-get download`` :data:`DEB_PACKAGES` (this machine's Debian release, amd64) into
+    ``folder``; apt checks them against the archive's signed indexes."""
+    os.makedirs(folder, exist_ok=True)
+    subprocess.run(["apt-get", "download", *DEB_PACKAGES], cwd=folder, check=True)
+    for f in os.listdir(folder):  # an epoch's colon comes escaped (libcap2_1%3a2.66...): plain names travel best
+        if "%" in f:
+            os.replace(os.path.join(folder, f), os.path.join(folder, f.replace("%3a", "_")))
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".deb"))
+
+
 def relock(python: str, requirements: list, lock: str = LOCK) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
@@ -112,6 +129,7 @@ def main(argv=None):
     ap.add_argument("--relock", metavar="PYTHON3.12", help="resolve the closure anew with this interpreter's pip")
     ap.add_argument("requirements", nargs="*", help="with --relock: the top-level pins, e.g. dask==2026.7.1")
     ap.add_argument("--dest", default=WHEELS, help="where the wheels go (default: %(default)s)")
+    ap.add_argument("--debs", action="store_true", help=f"also download {', '.join(DEB_PACKAGES)} into {DEBS}")
     args = ap.parse_args(argv)
     if args.relock:
         if not args.requirements:
@@ -120,6 +138,9 @@ def main(argv=None):
     paths = fetch(args.dest)
     size = sum(os.path.getsize(p) for p in paths)
     print(f"{len(paths)} wheels, {size / 2**20:.1f} MiB, hashes as locked, in {args.dest}")
+    if args.debs:
+        debs = fetch_debs()
+        print(f"{len(debs)} Debian packages, {sum(map(os.path.getsize, debs)) / 2**20:.1f} MiB, in {DEBS}")
 
 
 if __name__ == "__main__":

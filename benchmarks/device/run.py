@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,23 +31,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from fetch_wheels import LOCK, WHEELS, check_wheels, read_lock  # noqa: E402
+from fetch_wheels import DEBS, LOCK, WHEELS, check_wheels, read_lock  # noqa: E402
 
 SCHEMA = 1
-ORDER = ("gpu_cluster", "gpu_parallel", "many_core", "network")
+#: the GPU first, since the host may go away; the many-core curve last, since it uses whatever
+#: time the sections before it left (a section's unused budget goes to the next)
+ORDER = ("gpu_cluster", "gpu_parallel", "network", "many_core")
 
 #: the full run on a GPU host with 16 cores: sizes and seconds per section (about 8.5 minutes
-#: together, with the install), the GPU first since the host may go away; ``--only many_core``
-#: or ``--only network`` gives one section a whole run's time
+#: together, with the install); ``--only many_core`` or ``--only network`` gives one section a
+#: whole run's time. On one H200 the GPU sections took 140 s and 13 s, and a many-core
+#: configuration 30 to 40 s (twelve of them a run)
 FULL = {
     # a GPU step of the MLP takes well under a millisecond: many rounds cost little, and each
     # (minibatch, rounds) keeps a segment's data near 100 MB
-    "gpu_cluster": {"budget_s": 160, "digits_epochs": 12, "algorithms": ["averaging", "sharing"],
+    "gpu_cluster": {"budget_s": 190, "digits_epochs": 12, "algorithms": ["averaging", "sharing"],
                     "worker_batches": [[160, 200], [2048, 64]], "segments": 4, "measure_s": 25,
                     "memory_settings": ["preallocate_off", "fraction_30_preallocated", "fraction_30"],
                     "memory_rounds": 10},
-    "gpu_parallel": {"budget_s": 50, "gpu_batches": [160, 2048], "wrapper_rounds": 20, "measure_s": 12},
-    "many_core": {"budget_s": 220, "workers": [2, 4, 8], "runs": 3,
+    "gpu_parallel": {"budget_s": 30, "gpu_batches": [160, 2048], "wrapper_rounds": 20, "measure_s": 12},
+    "many_core": {"budget_s": 210, "workers": [2, 4, 8], "runs": 3,
                   "pairs": [["averaging", "mlp"], ["averaging", "cnn"], ["sharing", "mlp"], ["sharing", "cnn"]],
                   "batches": {}, "n_rounds": 60, "segments": 3, "measure_s": 15},
     "network": {"budget_s": 60, "workers": [4, 8], "contenders": ["sharing", "averaging5", "ddp", "averaging50-outer"],
@@ -70,8 +74,58 @@ FULL_BUDGET_S = sum(c["budget_s"] for c in FULL.values())
 GRACE_S = 10
 
 
-def _env_for(section: str, dry_run: bool, pythonpath: str | None, cache: str) -> dict:
+def _ar_members(path: str):
+    """``(name, bytes)`` of each member of an ``ar`` archive (a ``.deb``)."""
+    with open(path, "rb") as f:
+        if f.read(8) != b"!<arch>\n":
+            raise ValueError(f"{path} is not a Debian package (no ar header)")
+        while header := f.read(60):
+            name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58].decode())
+            yield name, f.read(size)
+            if size % 2:
+                f.read(1)
+
+
+def unpack_debs(folder: str, prefix: str) -> dict:
+    """Unpack every ``.deb`` in ``folder`` under ``prefix`` (nothing is installed: no
+    maintainer script runs, no system path is touched) and put a wrapper for each program of
+    ``bin``, ``sbin``, ``usr/bin`` and ``usr/sbin`` in ``prefix/wrappers`` that runs it with the
+    unpacked libraries first. Returns ``{"packages": [...], "bin": prefix/wrappers}``, or
+    ``{"packages": []}``."""
+    import io
+    import tarfile
+
+    debs = sorted(f for f in os.listdir(folder) if f.endswith(".deb")) if os.path.isdir(folder) else []
+    if not debs:
+        return {"packages": []}
+    for deb in debs:
+        data = [(n, b) for n, b in _ar_members(os.path.join(folder, deb)) if n.startswith("data.tar")]
+        if not data:
+            raise ValueError(f"{deb} holds no data.tar member")
+        with tarfile.open(fileobj=io.BytesIO(data[0][1])) as tar:
+            # a link to an absolute path (documentation, mostly) would point outside the prefix
+            keep = [m for m in tar.getmembers() if not (m.issym() and os.path.isabs(m.linkname))]
+            tar.extractall(prefix, members=keep, filter="tar")
+    libs = [os.path.join(prefix, d) for d in ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu")]
+    bin_dir = os.path.join(prefix, "wrappers")
+    os.makedirs(bin_dir, exist_ok=True)
+    for sub in ("usr/sbin", "sbin", "usr/bin", "bin"):
+        d = os.path.join(prefix, sub)
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else ():
+            wrapper = os.path.join(bin_dir, name)
+            if os.path.exists(wrapper) or not os.path.isfile(os.path.join(d, name)):
+                continue
+            with open(wrapper, "w") as f:
+                f.write(f'#!/bin/sh\nLD_LIBRARY_PATH={":".join(libs)}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}} '
+                        f'exec {os.path.join(d, name)} "$@"\n')
+            os.chmod(wrapper, 0o755)
+    return {"packages": debs, "bin": bin_dir}
+
+
+def _env_for(section: str, dry_run: bool, pythonpath: str | None, cache: str, tools: dict | None = None) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if tools and tools.get("bin") and section == "network":  # iproute2 unpacked from benchmarks/device/debs
+        env["PATH"] = tools["bin"] + os.pathsep + env.get("PATH", "")
     if "JAX_COMPILATION_CACHE_DIR" not in env:
         # every measurement starts several processes that compile the same step: compile it once
         env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -217,12 +271,22 @@ def main(argv=None) -> dict:
     env_path = report["install"].get("pythonpath")
     names = args.only or ORDER
     scale = args.budget_scale * (1.0 if args.dry_run else FULL_BUDGET_S / sum(plan[n]["budget_s"] for n in names))
-    with open(os.path.join(args.out, "device.log"), "w") as log, tempfile.TemporaryDirectory() as cache:
+    with open(os.path.join(args.out, "device.log"), "w") as log, tempfile.TemporaryDirectory() as cache, \
+            tempfile.TemporaryDirectory() as tools_dir:
+        tools = None
+        if "network" in names and shutil.which("ip") is None:
+            try:
+                tools = report["tools"] = unpack_debs(DEBS, tools_dir)
+            except Exception as e:  # the network section then records its skip
+                report["tools"] = {"error": f"{type(e).__name__}: {e}"}
+        spare = 0.0  # what the sections so far left of their budgets goes to the next
         for name in names:
-            config = dict(plan[name], dry_run=args.dry_run, budget_s=round(plan[name]["budget_s"] * scale))
+            budget = round(plan[name]["budget_s"] * scale + spare)
+            config = dict(plan[name], dry_run=args.dry_run, budget_s=budget)
             print(f"{name}: up to {config['budget_s']} s", flush=True)
-            env = _env_for(name, args.dry_run, env_path, cache)
+            env = _env_for(name, args.dry_run, env_path, cache, tools)
             report["sections"][name] = run_section(name, config, env, log)
+            spare = max(0.0, budget - report["sections"][name]["seconds"])
             print(f"{name}: {report['sections'][name]['status']} in {report['sections'][name]['seconds']} s", flush=True)
             _save(path, report)
     report["seconds"] = round(time.monotonic() - t0, 1)
