@@ -81,6 +81,16 @@ def bootstrap_median(ratios, level=0.90, draws=10000, seed=0) -> tuple:
     return float(np.median(x)), float(lo), float(hi)
 
 
+def table(report: dict) -> dict:
+    """The report's figures as one table in ``docs/_data``'s shape."""
+    rows = [[name, f"{f['old_median']:.3f}", f"{f['new_median']:.3f}",
+             f"{f['median_ratio']:.3f} ({f['interval_90'][0]:.3f}-{f['interval_90'][1]:.3f})", len(f["ratios"])]
+            for name, f in report["figures"].items()]
+    return {"title": f"{' '.join(report['benchmark'])}: the new tree against the old, alternated pairs",
+            "columns": ["figure", "old (median)", "new (median)", "new/old, median paired ratio (90% bootstrap interval)",
+                        "pairs"], "rows": rows}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", required=True, help="the old source tree (a git worktree)")
@@ -110,6 +120,7 @@ def main(argv=None) -> dict:
                                    "old_median": statistics.median(p["old"][name] for p in pairs),
                                    "new_median": statistics.median(p["new"][name] for p in pairs)}
         print(f"{name}: new/old median {med:.3f} (90% bootstrap interval {lo:.3f}-{hi:.3f}) over {len(pairs)} pairs")
+    report["tables"] = [table(report)]
     if a.out:
         with open(a.out + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
