@@ -209,7 +209,7 @@ def _master(name):
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=5, save_updater=False)
     if name == "averaging50-outer":
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=50,
-                                                     outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
+                                          outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
     if name == "sharing":
         return dlspark.GradientSharing(batch_size_per_worker=BATCH)
     if name == "localsgd50-bf16-outer":
