@@ -36,14 +36,43 @@ BATCH = 128
 LR = 1e-3
 
 
-def _data(n, seed=0):
+#: The task: Gaussian inputs labelled by a random teacher network (320-16-10, ReLU, argmax),
+#: which the MLP goes on learning and then fitting for many epochs, so that every timed fit
+#: has updates worth sending. A first task of separated clusters was learned within the warm
+#: fit, after which gradient sharing's timed fits sent next to nothing (4 kB per worker per
+#: fit at 100 Mbit/s here; 3.5 kB at 8 workers on the device host): they timed training with
+#: no exchange at all.
+TEACHER_HIDDEN = 16
+#: held-out examples for the time to accuracy (test labels carry no noise: there is none)
+TEST_EXAMPLES = 4000
+#: the held-out accuracy that times a contender: the plain process reaches it in its second
+#: epoch (0.585 after the first, 0.619 after the second, 0.64 at most after that: the MLP
+#: then overfits 16,000 examples)
+TARGET_ACCURACY = 0.60
+
+
+def _examples(n, seed):
+    """``n`` inputs and their teacher's class ids; the teacher is the same for every seed."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
-    centers = rng.normal(size=(10, N_FEATURES)).astype(np.float32)
-    y = rng.integers(0, 10, n)
-    x = (centers[y] + rng.normal(scale=2.0, size=(n, N_FEATURES))).astype(np.float32)
+    rng = np.random.default_rng(0)
+    w1 = rng.normal(size=(N_FEATURES, TEACHER_HIDDEN)) / np.sqrt(N_FEATURES)
+    w2 = rng.normal(size=(TEACHER_HIDDEN, 10))
+    x = np.random.default_rng(seed).normal(size=(n, N_FEATURES)).astype(np.float32)
+    return x, (np.maximum(x @ w1, 0) @ w2).argmax(1)
+
+
+def _data(n):
+    """The training examples: inputs and one-hot labels."""
+    import numpy as np
+
+    x, y = _examples(n, seed=1)
     return x, np.eye(10, dtype=np.float32)[y]
+
+
+def _test_data(n=TEST_EXAMPLES):
+    """Held-out inputs and class ids, from the same teacher."""
+    return _examples(n, seed=2)
 
 
 def _flax_mlp():
@@ -60,16 +89,9 @@ def _flax_mlp():
 
 
 # -- the plain processes (one core each) ---------------------------------------------------------
-def plain_jax(n, epochs, core):
-    """Examples/s of a bare ``jax.jit`` + optax loop at ``BATCH`` a step, warmed by an identical fit."""
-    os.sched_setaffinity(0, {core})
+def _plain_step(model, tx):
     import jax
-    import numpy as np
     import optax
-
-    x, y = _data(n)
-    model = _flax_mlp()
-    tx = optax.adam(LR)
 
     @jax.jit
     def step(params, opt, xb, yb):
@@ -79,6 +101,20 @@ def plain_jax(n, epochs, core):
         l, g = jax.value_and_grad(loss)(params)
         u, opt = tx.update(g, opt, params)
         return optax.apply_updates(params, u), opt, l
+
+    return step
+
+
+def plain_jax(n, epochs, core):
+    """Examples/s of a bare ``jax.jit`` + optax loop at ``BATCH`` a step, warmed by an identical fit."""
+    os.sched_setaffinity(0, {core})
+    import jax
+    import optax
+
+    x, y = _data(n)
+    model = _flax_mlp()
+    tx = optax.adam(LR)
+    step = _plain_step(model, tx)
 
     def fit():
         params = model.init(jax.random.PRNGKey(0), x[:1])
@@ -94,8 +130,39 @@ def plain_jax(n, epochs, core):
     return epochs * (n // BATCH) * BATCH / fit()
 
 
-def torch_rank(rank, world, n, epochs, runs, hook, master, port, core):
-    """One torch rank (world 1: a plain torch loop). Prints the timed fits' seconds (rank 0)."""
+def plain_curve(n, max_epochs, core):
+    """The plain loop from its initial parameters, an epoch at a time: ``[[seconds, held-out
+    accuracy], ...]``, the seconds training alone (the step and the evaluation compiled first)."""
+    os.sched_setaffinity(0, {core})
+    import jax
+    import optax
+
+    x, y = _data(n)
+    xt, yt = _test_data()
+    model = _flax_mlp()
+    tx = optax.adam(LR)
+    step = _plain_step(model, tx)
+    accuracy = jax.jit(lambda p: (model.apply(p, xt).argmax(1) == yt).mean())
+    params = model.init(jax.random.PRNGKey(0), x[:1])
+    opt = tx.init(params)
+    jax.block_until_ready(step(params, opt, x[:BATCH], y[:BATCH]))  # compiles; its result is dropped
+    float(accuracy(params))
+    curve = []
+    for _ in range(max_epochs):
+        t0 = time.perf_counter()
+        for i in range(0, n - BATCH + 1, BATCH):
+            params, opt, _ = step(params, opt, x[i:i + BATCH], y[i:i + BATCH])
+        jax.block_until_ready(params)
+        curve.append([time.perf_counter() - t0, float(accuracy(params))])
+        if curve[-1][1] >= TARGET_ACCURACY:
+            break
+    return curve
+
+
+def torch_rank(rank, world, n, epochs, runs, hook, master, port, core, curve_epochs=0):
+    """One torch rank (world 1: a plain torch loop). Prints the timed fits' seconds (rank 0); with
+    ``curve_epochs``, instead each epoch's seconds and held-out accuracy from the initial weights,
+    until the target accuracy or ``curve_epochs`` epochs."""
     if core is not None:
         os.sched_setaffinity(0, {core})
     import numpy as np
@@ -109,7 +176,7 @@ def torch_rank(rank, world, n, epochs, runs, hook, master, port, core):
     for w in WIDTHS:
         layers += [torch.nn.Linear(width, w), torch.nn.ReLU()]
         width = w
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+    model = plain = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -128,7 +195,7 @@ def torch_rank(rank, world, n, epochs, runs, hook, master, port, core):
     xs, ys = torch.from_numpy(x[rank::world]), torch.from_numpy(y[rank::world].argmax(1))
     steps = len(xs) // BATCH  # equal on every rank: each step all-reduces
 
-    def fit():
+    def fit(epochs):
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
@@ -141,10 +208,25 @@ def torch_rank(rank, world, n, epochs, runs, hook, master, port, core):
             dist.barrier()
         return time.perf_counter() - t0, epochs * steps * BATCH * world
 
-    fit()  # warm
-    times = [fit() for _ in range(runs)]
-    if rank == 0:
-        print(json.dumps({"seconds": [t for t, _ in times], "examples": times[0][1]}))
+    if curve_epochs:
+        xt, yt = _test_data()
+        xt = torch.from_numpy(xt)
+        curve, reached = [], torch.zeros(1)
+        while len(curve) < curve_epochs and not reached.item():
+            seconds, _ = fit(1)
+            with torch.no_grad():  # the bare module: DDP's forward would wait for the other ranks
+                accuracy = float((plain(xt).argmax(1).numpy() == yt).mean())
+            curve.append([seconds, accuracy])
+            reached[0] = float(accuracy >= TARGET_ACCURACY)
+            if world > 1:  # rank 0's verdict: every rank stops after the same epoch
+                dist.broadcast(reached, 0)
+        if rank == 0:
+            print(json.dumps({"curve": curve}))
+    else:
+        fit(epochs)  # warm
+        times = [fit(epochs) for _ in range(runs)]
+        if rank == 0:
+            print(json.dumps({"seconds": [t for t, _ in times], "examples": times[0][1]}))
     if world > 1:
         dist.destroy_process_group()
     del np
@@ -164,15 +246,16 @@ def run_plain(n, epochs, core=0):
     return float(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()[-1])
 
 
-def run_torch(net, n, epochs, runs, hook, world):
-    """``{"seconds": [...], "examples": ...}`` of torch on ``world`` ranks (1: one plain process on core 0)."""
+def run_torch(net, n, epochs, runs, hook, world, curve_epochs=0):
+    """``{"seconds": [...], "examples": ...}`` of torch on ``world`` ranks (1: one plain process on
+    core 0); with ``curve_epochs``, ``{"curve": ...}`` as :func:`torch_rank` prints it."""
     import random
 
     port = random.randint(20000, 40000)
     master = net.hosts[0].ip if world > 1 else "127.0.0.1"
     procs = []
     for rank in range(world):
-        cmd, env = _self("--torch-rank", rank, world, n, epochs, runs, hook, master, port, rank,
+        cmd, env = _self("--torch-rank", rank, world, n, epochs, runs, hook, master, port, rank, curve_epochs,
                          netns=net.hosts[rank].namespace if world > 1 else None)
         env["GLOO_SOCKET_IFNAME"] = "eth0"
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -183,14 +266,15 @@ def run_torch(net, n, epochs, runs, hook, world):
         if p.returncode:
             raise RuntimeError(f"a torch rank failed: {err[-2000:]}")
     result = json.loads(outs[0][0].strip().splitlines()[-1])
-    if world > 1:  # warm fit + runs: the counters saw runs + 1 fits
+    if world > 1 and not curve_epochs:  # warm fit + runs: the counters saw runs + 1 fits
         result["wire_tx_per_worker"] = sum(wire[h.name]["tx"] for h in net.hosts[:world]) / world / (runs + 1)
         result["wire_rx_per_worker"] = sum(wire[h.name]["rx"] for h in net.hosts[:world]) / world / (runs + 1)
     return result
 
 
 CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd",
-              "averaging5-no-updater", "localsgd50-bf16-outer")
+              "averaging5-no-updater", "localsgd50-bf16-outer", "sharing-sync", "sharing-dgc-warmup",
+              "sharing-no-clipping")
 #: measured by default; torch 2.13's powerSGD_hook fails a collective on gloo here ("Received data
 #: size doesn't match expected size"), so it runs only when named, as does averaging without
 #: save_updater (whose rounds carry the parameters alone) and LocalSGD (averaging50-outer's rounds
@@ -212,6 +296,20 @@ def _master(name):
                                           outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
     if name == "sharing":
         return dlspark.GradientSharing(batch_size_per_worker=BATCH)
+    if name == "sharing-sync":
+        return dlspark.GradientSharing(batch_size_per_worker=BATCH, max_staleness=0)
+    if name == "sharing-dgc-warmup":
+        return dlspark.GradientSharing(batch_size_per_worker=BATCH,
+                                       sparsity_warmup=dlspark.GradientSharing.DGC_SPARSITY_WARMUP)
+    if name.startswith("sharing-band"):  # sharing-band0.001-0.03: AdaptiveThreshold's sparsity band
+        low, high = map(float, name[len("sharing-band"):].split("-"))
+        return dlspark.GradientSharing(batch_size_per_worker=BATCH, threshold_algorithm=dlspark.AdaptiveThreshold(
+            min_sparsity=low, max_sparsity=high))
+    if name == "sharing-no-clipping":
+        from dlspark.algorithms.sharing import NoResidualPostProcessing
+
+        return dlspark.GradientSharing(batch_size_per_worker=BATCH,
+                                       residual_post_processor=NoResidualPostProcessing())
     if name == "localsgd50-bf16-outer":
         return dlspark.algorithms.LocalSGD(local_steps=50, batch_size_per_worker=BATCH,
                                            outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
@@ -247,6 +345,74 @@ def run_dlspark(net, client, name, n, epochs, runs):
         trainer.close()
 
 
+def dlspark_curve(client, name, n, max_epochs):
+    """A contender from the network's initial state, an epoch a fit: ``[[seconds, held-out
+    accuracy], ...]`` until the target accuracy or ``max_epochs``. A warm fit compiles first; the
+    state and what the algorithm carries (thresholds, an outer optimizer's momentum) are then
+    reset, so that the first timed fit starts as a first fit does."""
+    import optax
+
+    import dlspark
+
+    x, y = _data(n)
+    xt, yt = _test_data()
+    data = dlspark.DataSet(x, y)
+    net = dlspark.Network(dlspark.Model.from_flax(_flax_mlp(), x[:1]), updater=optax.adam(LR))
+    trainer = dlspark.DistributedTrainer(client, net, _master(name), progress=False)
+    try:
+        trainer.fit(data, epochs=1)
+        net.output(xt[:BATCH])
+        net.state, trainer.algorithm_state = net.init_state(), {}
+        curve = []
+        while len(curve) < max_epochs:
+            t0 = time.perf_counter()
+            trainer.fit(data, epochs=1)
+            seconds = time.perf_counter() - t0
+            curve.append([seconds, float((net.output(xt).argmax(1) == yt).mean())])
+            if curve[-1][1] >= TARGET_ACCURACY:
+                break
+        return curve
+    finally:
+        trainer.close()
+
+
+def time_to_target(curve):
+    """``{"epochs", "seconds"}`` to the first epoch at the target accuracy (None: never reached)."""
+    total = 0.0
+    for k, (seconds, accuracy) in enumerate(curve, 1):
+        total += seconds
+        if accuracy >= TARGET_ACCURACY:
+            return {"epochs": k, "seconds": total}
+    return None
+
+
+def measure_curve(net, client, contender, rate, n, max_epochs, single):
+    """One contender's time to the target accuracy at one rate, over its framework's single
+    process (``single``: that process's :func:`time_to_target`)."""
+    net.set_rate(rate)
+    if contender.startswith("ddp"):
+        hook = {"ddp": "none", "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}[contender]
+        curve = run_torch(net, n, 1, 1, hook, len(net.hosts), curve_epochs=max_epochs)["curve"]
+    else:
+        curve = dlspark_curve(client, contender, n, max_epochs)
+    reached = time_to_target(curve)
+    return {"contender": contender, "rate": rate, "curve": curve, "to_target": reached,
+            "over_own_single_process": None if not (reached and single) else single["seconds"] / reached["seconds"]}
+
+
+def plain_time_to_target(n, max_epochs, framework):
+    """The single process's curve and time to the target: JAX's plain loop or one torch loop."""
+    if framework == "jax":
+        cmd, env = _self("--plain-curve", n, max_epochs, 0)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        curve = json.loads(out.strip().splitlines()[-1])
+    else:
+        cmd, env = _self("--torch-rank", 0, 1, n, 1, 1, "none", "127.0.0.1", 0, 0, max_epochs)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        curve = json.loads(out.strip().splitlines()[-1])["curve"]
+    return {"curve": curve, "to_target": time_to_target(curve)}
+
+
 def _spread(values):
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -274,7 +440,7 @@ def measure(net, client, contender, rate, n, epochs, runs, single=None):
 
 
 def torch_single(n, epochs, runs):
-    cmd, env = _self("--torch-rank", 0, 1, n, epochs, runs, "none", "127.0.0.1", 0, 0)
+    cmd, env = _self("--torch-rank", 0, 1, n, epochs, runs, "none", "127.0.0.1", 0, 0, 0)
     r = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     return statistics.median(r["examples"] / s for s in r["seconds"])
 
@@ -302,15 +468,40 @@ def table(rows, a):
                     "plain torch loop on one core."}
 
 
+def curve_table(curves, singles):
+    """The docs' table of times to the target accuracy."""
+    def cell(reached):
+        return "not reached" if reached is None else f"{reached['seconds']:.2f} s ({reached['epochs']} epochs)"
+
+    jax_one, torch_one = singles["jax"]["to_target"], (singles.get("torch") or {}).get("to_target")
+    return {"title": f"time from the initial state to {TARGET_ACCURACY} held-out accuracy, one fit an epoch, "
+                     "one run each (single process: JAX " + cell(jax_one) +
+                     ("" if torch_one is None else ", torch " + cell(torch_one)) + ")",
+            "columns": ["link rate", "contender", "time to the target (epochs)", "over the plain JAX process's time",
+                        "over its own single process's time"],
+            "rows": [[r["rate"], r["contender"], cell(r["to_target"]),
+                      "" if not (r["to_target"] and jax_one) else f"{jax_one['seconds'] / r['to_target']['seconds']:.2f}x",
+                      "" if r["over_own_single_process"] is None else f"{r['over_own_single_process']:.2f}x"]
+                     for r in curves],
+            "note": "Seconds are the fits' alone (call to return, an epoch each); the held-out accuracy is "
+                    "read between fits, off the clock."}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="+", default=["unlimited", "1gbit"])
-    p.add_argument("--contenders", nargs="+", default=list(DEFAULT_CONTENDERS), choices=CONTENDERS)
+    p.add_argument("--contenders", nargs="+", default=list(DEFAULT_CONTENDERS),
+                   help=f"of {CONTENDERS}, or sharing-bandL-H (AdaptiveThreshold(min_sparsity=L, max_sparsity=H))")
     p.add_argument("--examples", type=int, default=16000)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--to-accuracy", action="store_true",
+                   help=f"also time each contender from its initial state to {TARGET_ACCURACY} held-out accuracy")
+    p.add_argument("--curve-epochs", type=int, default=6, help="the most epochs a time to accuracy may take")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    if a.runs < 0 or (a.runs == 0 and not a.to_accuracy):
+        p.error("--runs must be at least 1, or 0 with --to-accuracy (the time to accuracy alone)")
     from distributed import Client
 
     from dlspark.testing import emulated_cluster
@@ -318,11 +509,27 @@ def main(argv=None):
     rows = []
     load_before = os.getloadavg()
     jax_single = statistics.median(run_plain(a.examples, a.epochs) for _ in range(3))
-    torch_one = torch_single(a.examples, a.epochs, a.runs) if any(c.startswith("ddp") for c in a.contenders) else None
+    torch_used = any(c.startswith("ddp") for c in a.contenders)
+    torch_one = torch_single(a.examples, a.epochs, max(a.runs, 1)) if torch_used else None
+    singles = {}
+    if a.to_accuracy:
+        singles = {"jax": plain_time_to_target(a.examples, a.curve_epochs, "jax")}
+        if torch_used:
+            singles["torch"] = plain_time_to_target(a.examples, a.curve_epochs, "torch")
+        for name, one in singles.items():
+            print(f"single {name} process: {one['to_target']} to {TARGET_ACCURACY} ({one['curve']})", flush=True)
     t_start = time.time()
+    curves = []
     with emulated_cluster(2) as net, Client(net.scheduler_address, set_as_default=False) as client:
         for rate in a.rates:
-            for c in a.contenders:
+            for c in a.contenders if a.to_accuracy else ():
+                one = singles["torch" if c.startswith("ddp") else "jax"]["to_target"]
+                row = measure_curve(net, client, c, rate, a.examples, a.curve_epochs, one)
+                curves.append(row)
+                print(f"{rate:>9} {c:>18}: {row['to_target']} to {TARGET_ACCURACY} held-out accuracy, "
+                      f"{row['over_own_single_process'] or 0:.2f}x its own single process ({row['curve']})",
+                      flush=True)
+            for c in a.contenders if a.runs else ():
                 single = torch_one if c.startswith("ddp") else jax_single
                 row = measure(net, client, c, rate, a.examples, a.epochs, a.runs, single)
                 rows.append(row)
@@ -337,7 +544,9 @@ def main(argv=None):
                          f"{os.getloadavg()[0]:.2f} at the end (1-minute); 2 workers, each a network namespace "
                          "pinned to its own core",
               "source": "benchmarks/bench_network.py, one run of the command above",
-              "tables": [table(rows, a)], "workers": 2, "examples": a.examples, "epochs": a.epochs,
+              "tables": ([table(rows, a)] if rows else []) + ([curve_table(curves, singles)] if curves else []),
+              "workers": 2, "target_accuracy": TARGET_ACCURACY, "single_process_curves": singles,
+              "to_accuracy": curves, "examples": a.examples, "epochs": a.epochs,
               "batch_per_worker": BATCH, "runs": a.runs, "plain_jax_examples_per_s": jax_single,
               "plain_torch_examples_per_s": torch_one, "seconds": time.time() - t_start, "rows": rows}
     if a.out:
@@ -373,7 +582,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--plain":
         print(plain_jax(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
     elif len(sys.argv) > 1 and sys.argv[1] == "--torch-rank":
-        r, w, n, e, runs, hook, master, port, core = sys.argv[2:11]
-        torch_rank(int(r), int(w), int(n), int(e), int(runs), hook, master, int(port), int(core))
+        r, w, n, e, runs, hook, master, port, core, curve = sys.argv[2:12]
+        torch_rank(int(r), int(w), int(n), int(e), int(runs), hook, master, int(port), int(core), int(curve))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--plain-curve":
+        print(json.dumps(plain_curve(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))
     else:
         main()
