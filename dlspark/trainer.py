@@ -130,6 +130,7 @@ class DistributedTrainer:
         # {worker: (job, digests)} of the states the workers kept from the last fit: the next
         # fit sends each only what differs (dlspark.distributed._kept)
         self._kept_states: dict = {}
+        self._kept_master = None  # the master of the fit whose states the workers kept
         self._exports = Exports()
         install_plugins(client, pin)
         if self._cluster is not None:

@@ -5,7 +5,8 @@ import dask
 import numpy as np
 import pytest
 
-from dlspark.distributed._kept import KeptStates, digests, pull_arrays, put_arrays, sent_bytes, state_digests, thin
+from dlspark.distributed._kept import (KeptStates, continuing, digests, pull_arrays, put_arrays, sent_bytes,
+                                      state_digests, thin)
 
 
 def _state(seed=0):
@@ -29,6 +30,29 @@ def test_a_thinned_state_is_filled_back_bit_for_bit_from_what_was_kept():
     # the filled arrays are copies: the job may donate them without touching what is kept
     whole["arrays"][1][:] = -1
     assert kept.fill(thinned)["arrays"][1].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_replica_that_goes_on_keeps_its_own_arrays_only_when_the_state_is_the_last_fits_end():
+    # Two workers kept different states at the end of a fit (gradient sharing: each its own
+    # updater state); the client's state is the first one's. Each takes the arrays named
+    # "own" from what it kept, whatever their digests, and only while the client's state is
+    # bit for bit one of those kept: a changed state is sent as it is.
+    kept_a, kept_b = KeptStates(), KeptStates()
+    a, b = _state(0), _state(0)
+    b["arrays"][0] = b["arrays"][0] + 1  # worker b's own array 0 (an updater state, say)
+    kept = {"a": ("fit-1", kept_a.keep("fit-1", a, extra={"residual": 1})),
+            "b": ("fit-1", kept_b.keep("fit-1", b, extra={"residual": 2}))}
+    mine = state_digests(a)
+    assert continuing(mine, kept)
+    thinned = thin(a, mine, *kept["b"], own=frozenset({0}))
+    assert thinned["continue"] and sent_bytes(thinned) == 0
+    assert np.array_equal(kept_b.fill(thinned)["arrays"][0], b["arrays"][0])  # b's own, not the client's
+    assert kept_b.extra("fit-1") == {"residual": 2} and kept_b.extra("fit-0") is None
+    changed = _state(0)
+    changed["arrays"][2] = np.float32(changed["arrays"][2] + 1)
+    assert not continuing(state_digests(changed), kept)
+    plain = thin(changed, state_digests(changed), *kept["b"])
+    assert "continue" not in plain and plain["arrays"][0] is not None
 
 
 def test_same_bytes_of_another_shape_or_dtype_are_not_taken():

@@ -184,6 +184,13 @@ class Algorithm(abc.ABC):
         trainer's figures (updated in place). Returns the new algorithm state."""
         return dict(algorithm_state)
 
+    def replicas_continue(self) -> bool:
+        """Whether each replica keeps its own updater state, and what its worker run keeps
+        beside it (``WorkerRun.replica_extra``), into a fit that starts from exactly the
+        state the last fit ended with. False: every fit starts every replica from the
+        client's state."""
+        return False
+
     def compare_replicas(self) -> bool:
         """Whether replicas may end apart (then the trainer measures ``replica_divergence``)."""
         return False

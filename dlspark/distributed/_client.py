@@ -18,7 +18,7 @@ from distributed.protocol import to_serialize
 
 from ..checkpoint import read_checkpoint_meta, state_from_arrays, state_to_arrays
 from ..errors import CheckpointError, JobFailedError
-from ._kept import pull_arrays, sent_bytes, state_digests, thin
+from ._kept import continuing, pull_arrays, sent_bytes, state_digests, thin
 from ._messages import JobOptions, JobSpec
 
 __all__ = ["run_fit", "setup_workers", "fetch_state", "fetch_state_from_any", "checked", "install_plugins",
@@ -88,19 +88,23 @@ def checked(resp):
     return resp
 
 
-async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: dict | None = None) -> int:
+async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: dict | None = None, own=()) -> int:
     """Set the job up on ``workers``; ``state``: the train state as :func:`state_to_arrays` gives it.
 
     ``kept``: ``{worker: (key, digests)}`` of the states workers kept from the last fit (see
     ``_kept``): such a worker is sent only the arrays that differ from its own, and everything
     if it no longer holds them. ``state["carried"]``: arrays pulled out of ``spec`` (see
-    ``_kept.pull_arrays``). Returns the bytes sent (the spec and the arrays)."""
+    ``_kept.pull_arrays``). ``own``: indices of the state's arrays that a replica which goes on
+    from the last fit takes from what it kept (its updater state, where the algorithm keeps one
+    per replica), when ``state`` is the very state the last fit ended with. Returns the bytes
+    sent (the spec and the arrays)."""
     kept = {w: k for w, k in (kept or {}).items() if w in workers and k[1] is not None}
     mine = await asyncio.get_running_loop().run_in_executor(None, state_digests, state) if kept else None
+    own = frozenset(own) if kept and own and continuing(mine, kept) else frozenset()
 
     async def one(rank, w):
         if w in kept:
-            thinned = thin(state, mine, *kept[w])
+            thinned = thin(state, mine, *kept[w], own=own)
             r = checked(await client.rpc(w).dlspark_setup(job=job, spec=spec, state=to_serialize(thinned), rank=rank))
             if not r.get("missing"):
                 return len(spec) + sent_bytes(thinned)
@@ -108,6 +112,15 @@ async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: di
         return len(spec) + sent_bytes(state)
 
     return sum(await asyncio.gather(*[one(i, w) for i, w in enumerate(workers)]))
+
+
+def replica_arrays(master, state: dict) -> list:
+    """Indices of ``state``'s arrays (``state_to_arrays``) that each replica keeps as its own from
+    fit to fit under ``master``: the updater state's, for an algorithm whose replicas each run
+    their own updater and go on where they stopped (``replicas_continue``); else none."""
+    if not master.replicas_continue():
+        return []
+    return [i for i, leaf in enumerate(state["leaves"]) if leaf["path"].startswith(".opt_state")]
 
 
 async def fetch_state(client, worker, job, step, epoch) -> dict:
@@ -226,7 +239,10 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     try:
         st = ClientSide(client, export_span) if master.collect_training_stats else NoClientSide()
         with st.span("broadcast") as span:
-            sent = client.sync(setup_workers, client, workers, job, setup_spec, state, trainer._kept_states)
+            # replicas go on from the last fit only under the same master (a threshold or an updater
+            # state reached under another is not this one's)
+            own = replica_arrays(master, state) if trainer._kept_master == master else []
+            sent = client.sync(setup_workers, client, workers, job, setup_spec, state, trainer._kept_states, own)
             if hasattr(span, "fields"):
                 span.fields["bytes"] = sent
         run = dict(job=job, workers=workers, spec=spec, partitions=partitions, master=cloudpickle.dumps(master),
@@ -242,6 +258,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         with st.span("fetch_state"):
             source, final, divergence, trainer._kept_states = client.sync(
                 _fit_end, client, list(result.workers), job, step, epoch, master.compare_replicas())
+            trainer._kept_master = master
         net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
         if divergence is not None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import config
 
-__all__ = ["KeptStates", "Carried", "digests", "state_digests", "thin", "sent_bytes", "pull_arrays", "put_arrays",
+__all__ = ["KeptStates", "Carried", "digests", "state_digests", "thin", "continuing", "sent_bytes", "pull_arrays", "put_arrays",
            "carried_arrays"]
 
 #: the smallest array that leaves the spec (smaller ones are cheaper inside it)
@@ -89,15 +89,26 @@ def state_digests(state: dict) -> dict:
     return {part: digests(state.get(part, ())) for part in _PARTS}
 
 
-def thin(state: dict, mine: dict, key: str, theirs: dict) -> dict:
+def thin(state: dict, mine: dict, key: str, theirs: dict, own=()) -> dict:
     """``state`` (as :func:`~dlspark.checkpoint.state_to_arrays` gives it, with what is
     ``carried`` beside it) for a worker that kept arrays of digests ``theirs`` under ``key``:
-    the arrays it holds already are left out (None)."""
+    the arrays it holds already are left out (None). ``own``: indices of ``arrays`` the
+    worker takes from what it kept even where they differ (its replica goes on: ``continue``)."""
     out = {**state, "kept": key}
     for part in _PARTS:
         if part in state and len(theirs[part]) == len(mine[part]):
             out[part] = [None if d == t else a for a, d, t in zip(state[part], mine[part], theirs[part])]
+    if own and len(theirs["arrays"]) == len(mine["arrays"]):
+        out["arrays"] = [None if i in own else a for i, a in enumerate(out["arrays"])]
+        out["continue"] = True
     return out
+
+
+def continuing(mine: dict, kept: dict) -> bool:
+    """Whether the state of digests ``mine`` is one a worker kept at the end of the last fit (of
+    ``kept``: ``{worker: (key, digests)}``), bit for bit: the client did not change it."""
+    return any(d is not None and list(d["arrays"]) == list(mine["arrays"])
+               and list(d["carried"]) == list(mine["carried"]) for _, d in kept.values())
 
 
 def sent_bytes(state: dict) -> int:
@@ -112,9 +123,10 @@ class KeptStates:
         self._states: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def keep(self, key: str, state: dict) -> dict | None:
+    def keep(self, key: str, state: dict, extra=None) -> dict | None:
         """Keep ``state``'s ``arrays`` and ``carried`` arrays (the worker's own copies) under
-        ``key``; their digests, or None when ``dlspark.worker.kept-states`` is 0."""
+        ``key``, with ``extra`` (what the replica itself goes on from, never sent); their
+        digests, or None when ``dlspark.worker.kept-states`` is 0."""
         size = config.get("worker.kept-states")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"dlspark.worker.kept-states must be an integer >= 0, got {size!r}")
@@ -125,8 +137,14 @@ class KeptStates:
             self._states.pop(key, None)
             while len(self._states) >= size:
                 self._states.popitem(last=False)
-            self._states[key] = {part: list(state.get(part, ())) for part in _PARTS}
+            self._states[key] = {**{part: list(state.get(part, ())) for part in _PARTS}, "extra": extra}
         return found
+
+    def extra(self, key):
+        """The ``extra`` kept with the state under ``key``, or None."""
+        with self._lock:
+            kept = self._states.get(key)
+        return None if kept is None else kept.get("extra")
 
     def fill(self, state: dict) -> dict | None:
         """``state`` whole: a thinned state's missing arrays taken from the state it names, or

@@ -194,3 +194,11 @@ class WorkerRun:
 
     def adopt(self, carried):
         """Take over what a live peer's algorithm carries (a worker joining mid-fit)."""
+
+    def replica_extra(self):
+        """What this replica keeps, beside its train state, for a next fit that goes on from this
+        one's end (gradient sharing's residual and threshold); never sent. None: nothing."""
+        return None
+
+    def continue_from(self, extra):
+        """Go on from :meth:`replica_extra` of the fit before on this worker."""

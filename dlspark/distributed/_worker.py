@@ -137,11 +137,17 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     # -- handlers ----------------------------------------------------------------
     async def _setup(self, job: str, spec: bytes, state: dict, rank: int = 0):
         """Set the job up from ``state``; a state that names a kept one (``kept``) brings only the
-        arrays that differ from it. ``{"missing": True}``: that state is no longer kept here."""
+        arrays that differ from it. ``{"missing": True}``: that state is no longer kept here.
+        ``continue``: the fit goes on from the kept one's end, and this replica with it (its
+        residual and threshold, kept beside the state; see ``_kept``)."""
+        key, goes_on = state.get("kept"), state.pop("continue", False)
         state = self.kept.fill(state)
         if state is None:
             return {"missing": True}
-        await self._install(job, spec, state, rank)
+        run = await self._install(job, spec, state, rank)
+        extra = self.kept.extra(key) if goes_on else None
+        if extra is not None:
+            await run.compute(run.continue_from, extra)
         return {"reply": None}
 
     async def _install(self, job, spec, state, rank):
@@ -199,7 +205,8 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         run = self._job(job)
         out = await run.dump_state(step, epoch)
         kept = {"arrays": out["state"]["arrays"], "carried": carried_arrays({"carried": out["carried"]})}
-        return {"digests": await run.compute(self.kept.keep, job, kept)}
+        extra = await run.compute(run.replica_extra)
+        return {"digests": await run.compute(self.kept.keep, job, kept, extra)}
 
     async def _divergence(self, job: str, source: str, whole_state: bool = False):
         """The largest absolute difference between this replica's parameters and ``source``'s,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,10 +128,47 @@ def _loader(runtime, refs, rounds, depth):
         thread.join()
 
 
+class _Carry(NamedTuple):
+    """What each replica takes into the next fit when that fit starts from the state this
+    one ended with (``GradientSharing.continue_replicas``): its updater state, residual,
+    threshold state and message count. ``state`` is the network's state the fit set (the
+    next fit goes on only if the network's state holds the same bits)."""
+
+    state: object
+    master: object
+    encoder: str
+    opt_states: list
+    residuals: list
+    tstates: list
+    steps: list
+
+
+def _continuation(runtime, encoder, resuming) -> _Carry | None:
+    """The last fit's :class:`_Carry` if this fit goes on from its end, else None; taken (a
+    failed fit leaves nothing to go on from)."""
+    carry, runtime.sharing_carry = getattr(runtime, "sharing_carry", None), None
+    if carry is None or resuming or not runtime.master.replicas_continue():
+        return None
+    same = (carry.master == runtime.master and carry.encoder == encoder and len(carry.residuals) == len(runtime.devices)
+            and _same_state(carry.state, runtime.network.state))
+    return carry if same else None
+
+
+def _same_state(a, b) -> bool:
+    """Whether two train states hold the same bits (as the cluster's digests compare them)."""
+    if a is b:
+        return True
+    la, lb = jax.tree_util.tree_flatten(a), jax.tree_util.tree_flatten(b)
+    if la[1] != lb[1]:
+        return False
+    return all(x is y or (np.shape(x) == np.shape(y) and np.asarray(x).dtype == np.asarray(y).dtype
+                          and np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(la[0], lb[0]))
+
+
 class _Replicas:
     """The devices' replicas and their sharing state."""
 
-    def __init__(self, runtime, encoder, saved_rngs=None):
+    def __init__(self, runtime, encoder, saved_rngs=None, carry: _Carry | None = None):
         net, master = runtime.network, runtime.master
         self.rt, self.net, self.master = runtime, net, master
         self.devices = runtime.devices
@@ -165,6 +203,15 @@ class _Replicas:
         else:
             self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
             self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
+        if carry is not None:  # each replica goes on where it stopped; replica 0's state is the network's
+            self.states = [s if i == 0 else s.replace(opt_state=carry.opt_states[i])
+                           for i, s in enumerate(self.states)]
+            self.residuals, self.tstates, self.steps = list(carry.residuals), list(carry.tstates), list(carry.steps)
+
+    def carry(self, final) -> _Carry:
+        """What the next fit takes if it starts from ``final`` (see :class:`_Carry`)."""
+        return _Carry(final, self.master, self.encoder, [s.opt_state for s in self.states], list(self.residuals),
+                      list(self.tstates), list(self.steps))
 
     def close(self):
         pool = getattr(self, "pool", None)
@@ -297,7 +344,8 @@ class SharingDeviceRun:
         net, master = rt.network, rt.master
         epochs_total = epochs if epochs_total is None else epochs_total
         home = next(iter(jax.tree_util.tree_leaves(net.state)[0].devices()))
-        reps = _Replicas(rt, self.encoder, saved_rngs)
+        carry = _continuation(rt, self.encoder, resuming=bool(skip) or saved_rngs is not None)
+        reps = _Replicas(rt, self.encoder, saved_rngs, carry)
         try:
             base_step, base_epoch = net.iteration, net.epoch
             n_dev = len(reps.devices)
@@ -332,6 +380,8 @@ class SharingDeviceRun:
                         reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + after, prog)
             final = jax.device_put(reps.states[0].replace(step=np.int32(base_step + trained),
                                                           epoch=np.int32(base_epoch + epochs)), home)
+            if master.replicas_continue():
+                rt.sharing_carry = reps.carry(final)
             return FitOutcome(final, stats, replica_params=[s.params for s in reps.states],
                               algorithm_state={"threshold_states": reps.carried_states()},
                               published={"sharing_encoder": self.encoder})

@@ -97,6 +97,16 @@ class GradientSharing(Algorithm):
         from its own initial state when the warm-up ends. DGC's is
         ``GradientSharing.DGC_SPARSITY_WARMUP``, ``(0.25, 0.0625, 0.015625,
         0.00390625)``. Empty (the default): none.
+    continue_replicas : bool
+        A fit that starts from exactly the state the last fit ended with (the
+        network's state untouched in between, checked bit for bit) continues each
+        replica where it stopped: its own updater state, its residual (the part of
+        its updates not sent yet), its threshold and its count of messages, so that
+        fitting an epoch at a time trains as one longer fit does. True (the
+        default). With False, or when the state was changed, restored or resumed,
+        every replica starts from the network's state with an empty residual, as a
+        first fit does; the mass held in the residuals is then dropped. On a
+        cluster the replicas that continue are also not sent the updater state.
 
     Examples
     --------
@@ -119,6 +129,7 @@ class GradientSharing(Algorithm):
     momentum_fields: tuple = MOMENTUM_FIELDS
     local_gradient_clipping: float | None = None
     sparsity_warmup: tuple = ()
+    continue_replicas: bool = True
 
     name = "sharing"
     DGC_SPARSITY_WARMUP = DGC_SPARSITY_WARMUP
@@ -143,6 +154,8 @@ class GradientSharing(Algorithm):
                             f"protocol), got {type(self.residual_post_processor).__name__}")
         if not isinstance(self.encoding_debug, bool):
             raise TypeError(f"encoding_debug must be True or False, got {self.encoding_debug!r}")
+        if not isinstance(self.continue_replicas, bool):
+            raise TypeError(f"continue_replicas must be True or False, got {self.continue_replicas!r}")
         self._check_dgc()
 
     def _check_dgc(self):
@@ -220,6 +233,9 @@ class GradientSharing(Algorithm):
             comm["bytes_sent"] += s.get("bytes_sent", 0)
             comm["dense_bytes"] += s.get("dense_bytes", 0)
         return out
+
+    def replicas_continue(self) -> bool:
+        return self.continue_replicas
 
     def compare_replicas(self) -> bool:
         """Every replica applied the same messages; they differ only by the order of float

@@ -36,6 +36,12 @@ class SharingRun(WorkerRun):
                                for p in targets], return_exceptions=True)
         self.stats.add("push", t0, self.stats.now(), "comms", bytes=int(message.nbytes) * len(targets), step=step)
 
+    def replica_extra(self):
+        return self.sharing.replica_extra()
+
+    def continue_from(self, extra):
+        self.sharing.continue_from(extra)
+
     # -- orders -----------------------------------------------------------------------
     async def order_fit(self, order):
         loop = asyncio.get_running_loop()

@@ -22,6 +22,7 @@ from ... import config
 from ._dgc import find_momentum, local_clip_norm, mask_momentum, sent_elements, threshold_for_density
 from ._dgc import warmup_density
 from ._encoding import EMPTY, decode_into, empty_message, encode_scratch, threshold_encode
+from ._thresholds import ThresholdState
 from ._xla import sparsity_of
 
 __all__ = ["SharingState", "Encoded", "encode_step", "SumVectors", "add_pieces", "sharing_functions", "ReplicaOptions",
@@ -224,6 +225,7 @@ class SharingState:
         self.device = device if len(flat.devices()) == 1 else None
         self.tstate = master.carried_threshold(job.spec.algorithm_state) or self.algo.init()
         self.step = 0  # this worker's message counter
+        self.iteration_base = 0  # messages of the fits this replica goes on from (continue_replicas)
         self.lock = threading.Condition()
         self.inbox: dict = {}  # (sender, step) -> message, this round
         self.applied: set = set()  # (sender, step) applied to this replica, since the last sync
@@ -384,7 +386,7 @@ class SharingState:
             add_pieces(self.residual, pieces)
             self.step += 1
             enc, self.residual = encode_step(self.algo, self.post, self.tstate, self.residual, self.scratch,
-                                             self.step, density)
+                                             self.iteration_base + self.step, density)
             t, message = enc.threshold, enc.message
             if opts.mask_fields:
                 state = state.replace(opt_state=self.mask_momentum(state.opt_state, sent_elements(message, self.n),
@@ -429,6 +431,23 @@ class SharingState:
                 "bytes_sent": nbytes, "dense_bytes": 4 * self.n * len(peers) * len(losses),
                 "threshold": float(self.tstate.threshold), "stale_wait": stale_wait, "debug": stats,
                 "sparsity": float(np.mean(sparsities)) if sparsities else None}
+
+    def replica_extra(self) -> dict:
+        """What this replica takes into the next fit if that fit starts from the state this one
+        ended with (``GradientSharing.continue_replicas``): its residual, threshold state and
+        count of messages. Its updater state goes with the train state it keeps."""
+        return {"residual": self.residual.copy(), "tstate": tuple(self.tstate),
+                "iteration": self.iteration_base + self.step}
+
+    def continue_from(self, extra: dict) -> None:
+        """Go on from :meth:`replica_extra` of the fit before (a residual of another size is
+        refused: the network is not the one that fit trained)."""
+        residual = np.asarray(extra["residual"], np.float32)
+        if residual.shape != (self.n,):
+            raise ValueError(f"a residual of {residual.shape} cannot go on in a network of {self.n} parameters")
+        self.residual = residual.copy()
+        self.tstate = ThresholdState(*extra["tstate"])
+        self.iteration_base = int(extra["iteration"])
 
     def apply_pending(self, extra=()):
         """Apply fetched and still pending messages (the round's sync); params only. Only the
