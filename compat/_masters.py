@@ -416,12 +416,19 @@ class _SharedBuilder(_MasterBuilder):
                                     threshold_algorithm=v["thresholdAlgorithm"],
                                     residual_post_processor=v["residualPostProcessor"],
                                     workers_per_node=None if v["workersPerNode"] < 1 else v["workersPerNode"],
-                                    encoding_debug=v["encodingDebugMode"], mesh=mode.value, **self._common())
+                                    encoding_debug=v["encodingDebugMode"], mesh=mode.value,
+                                    # DL4J's workers apply their peers' updates as they arrive
+                                    max_staleness=ASYNCHRONOUS_STALENESS, **self._common())
         master = SharedTrainingMaster(algorithm, rdd_data_set_num_examples=self._rdd_n or v["batchSizePerWorker"],
                                       storage_level=v["storageLevel"], rng_seed=v["rngSeed"],
                                       settings=dict(v, numWorkers=self._num_workers))
         master.void_configuration = v["voidConfiguration"]
         return master
+
+
+#: how far a worker runs ahead of its slowest peer under the SharedTrainingMaster: DL4J's
+#: gradient sharing is asynchronous (dlspark's own default, 0, is synchronous delivery)
+ASYNCHRONOUS_STALENESS = 4
 
 
 def _threshold(algorithm):
