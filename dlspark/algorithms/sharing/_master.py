@@ -81,7 +81,9 @@ class GradientSharing(Algorithm):
         (``dlspark.compat``'s ``SharedTrainingMaster`` uses 4). Synchronous delivery
         was the more accurate on 7 of the parity suite's 8 tasks measured and reached the
         network benchmark's target accuracy in 2 epochs where asynchronous delivery took 3
-        to 4, at the same speed within the runs' spread.
+        to 4, at the same speed within the runs' spread with a core per worker. A
+        synchronous step waits for the slowest peer: where workers are uneven (shared
+        cores, mixed hardware) asynchronous delivery is the faster.
     momentum_masking : bool
         Deep Gradient Compression's momentum-factor masking: after each step, the
         updater's momentum (the fields named in ``momentum_fields`` of its optax state
