@@ -88,3 +88,23 @@ def test_what_the_algorithm_carries_leaves_the_spec_and_comes_back_thinned_alike
     assert sent_bytes(thinned) == 0 and thinned["carried"] == [None]
     back = put_arrays(pulled, kept.fill(thinned)["carried"])
     assert np.array_equal(back["outer_state"][0]["trace"], momentum) and back["outer_state"][1] is None
+
+
+def test_a_state_held_by_several_replicas_is_fetched_from_all_of_them_only_where_their_bits_agree():
+    from dlspark.distributed._client import split_fetch
+
+    def kept(*digest_lists):
+        return {w: ("job", {"arrays": d, "carried": []}) for w, d in zip("abc", digest_lists)}
+
+    sizes = [400, 800, 800, 8]  # params 0 and 3; an updater's two moments 1 and 2
+    # every array the same everywhere: the bytes are spread, the largest first
+    plan = split_fetch(kept(list("pmnq"), list("pmnq")), "ab", sizes, params=(0, 3))
+    assert plan == {"a": [0, 1], "b": [2, 3]}
+    # the moments differ (gradient sharing's own updaters): they come from the source alone
+    plan = split_fetch(kept(list("pmnq"), list("pMNq")), "ab", sizes, params=(0, 3))
+    assert plan == {"a": [1, 2], "b": [0, 3]}
+    # parameters that differ anywhere, a replica without digests, or one holder: the whole
+    # state from the source, as before (no plan)
+    assert split_fetch(kept(list("pmnq"), list("Pmnq")), "ab", sizes, params=(0, 3)) is None
+    assert split_fetch(kept(list("pmnq")), "ab", sizes, params=(0, 3)) is None
+    assert split_fetch(kept(list("pmnq")), "a", sizes) is None

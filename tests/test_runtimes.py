@@ -199,3 +199,30 @@ def test_a_fit_an_epoch_at_a_time_goes_on_as_one_longer_fit_on_both_runtimes(cli
         return w.network.state.params
 
     _same(nudged(master), nudged(dropped), atol=0.0)
+
+
+@pytest.mark.slow
+def test_a_final_state_that_both_replicas_hold_comes_half_from_each(client2, make_net, digits, monkeypatch):
+    # Parameter averaging's replicas end with the same bits, and gradient sharing's parameters
+    # do with synchronous delivery: the client takes each array from one holder, spread over
+    # both workers' links, and the state it rebuilds is the one the workers kept, bit for bit.
+    from dlspark.checkpoint import state_to_arrays
+    from dlspark.distributed import _client
+    from dlspark.distributed._kept import continuing, state_digests
+
+    plans = []
+    real = _client.split_fetch
+
+    def recording(*a, **kw):
+        plans.append(real(*a, **kw))
+        return plans[-1]
+
+    monkeypatch.setattr(_client, "split_fetch", recording)
+    tr, _ = digits
+    for master in (ParameterAveraging(batch_size_per_worker=32, training_approach="direct"),
+                   GradientSharing(batch_size_per_worker=32, steps_per_round=4, training_approach="direct")):
+        trainer = DistributedTrainer(client2, make_net(), master, progress=False)
+        trainer.fit(tr[:512])
+        assert plans[-1] is not None and len(plans[-1]) == 2, master.name
+        assert continuing(state_digests(state_to_arrays(trainer.network.state)), trainer._kept_states)
+    assert trainer.replica_divergence == 0.0

@@ -8,6 +8,7 @@ Algorithm-specific work goes through the master's hooks (``resume_state``,
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import asdict
@@ -20,6 +21,8 @@ from ..checkpoint import read_checkpoint_meta, state_from_arrays, state_to_array
 from ..errors import CheckpointError, JobFailedError
 from ._kept import continuing, pull_arrays, sent_bytes, state_digests, thin
 from ._messages import JobOptions, JobSpec
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["run_fit", "setup_workers", "fetch_state", "fetch_state_from_any", "checked", "install_plugins",
            "check_fit_args"]
@@ -257,7 +260,9 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         step, epoch = base_step + result.trained, base_epoch + epochs
         with st.span("fetch_state"):
             source, final, divergence, trainer._kept_states = client.sync(
-                _fit_end, client, list(result.workers), job, step, epoch, master.compare_replicas())
+                _fit_end, client, list(result.workers), job, step, epoch, master.compare_replicas(),
+                [a.nbytes for a in state["arrays"]],
+                [i for i, leaf in enumerate(state["leaves"]) if leaf["path"].startswith(".params")])
             trainer._kept_master = master
         net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
@@ -324,10 +329,66 @@ async def _keep_states(client, workers, job, step, epoch) -> dict:
     return {w: k for w, k in await asyncio.gather(*[one(w) for w in workers]) if k is not None and k[1] is not None}
 
 
-async def _fit_end(client, workers, job, step, epoch, compare: bool):
-    """:func:`_final_state` and, meanwhile, :func:`_keep_states`: ``(source, state, divergence, kept)``."""
-    ended, kept = await asyncio.gather(_final_state(client, workers, job, step, epoch, compare),
-                                       _keep_states(client, workers, job, step, epoch))
+def split_fetch(kept: dict, workers, sizes, params=()) -> dict | None:
+    """Where to fetch the final state's arrays from when replicas hold the same bits:
+    ``{worker: [array indices]}``, each array from one of the workers whose kept digest of it
+    equals the source's (the first of ``workers`` that kept its state), the bytes spread over
+    them, largest arrays first (``sizes``: bytes per array). None when that spreads nothing (one
+    holder of everything, or no digests). ``params``: the parameters' indices; a plan is made
+    only when every worker's parameters equal the source's (their divergence is then 0)."""
+    holders = [w for w in workers if w in kept]
+    if len(holders) < 2 or len(holders) != len(workers):  # every replica's digests, or no claim on them
+        return None
+    source, mine = holders[0], kept[holders[0]][1]["arrays"]
+    if len(mine) != len(sizes) or any(kept[w][1]["arrays"][i] != mine[i] for w in holders[1:] for i in params):
+        return None
+    load = {w: 0 for w in holders}
+    plan: dict = {w: [] for w in holders}
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        have = [w for w in holders if kept[w][1]["arrays"][i] == mine[i]]
+        w = min(have, key=lambda h: (load[h], h != source))
+        plan[w].append(i)
+        load[w] += sizes[i]
+    return {w: sorted(ix) for w, ix in plan.items() if ix} if sum(1 for ix in plan.values() if ix) > 1 else None
+
+
+async def _fetch_split(client, job, step, epoch, plan: dict, source: str) -> dict:
+    """The final state as :func:`fetch_state` gives it, its arrays from the workers of ``plan``
+    at once (what the algorithm carries from ``source``, the first of them)."""
+    async def one(w):
+        only = None if w == source else plan[w]
+        return w, checked(await client.rpc(w).dlspark_state(job=job, step=step, epoch=epoch, only=only))
+
+    got = dict(await asyncio.gather(*[one(w) for w in plan if w != source], one(source)))
+    final = got[source]
+    arrays = list(final["state"]["arrays"])
+    for w, r in got.items():
+        if w != source:
+            for i in plan[w]:
+                arrays[i] = r["state"]["arrays"][i]
+    if any(a is None for a in arrays):
+        raise RuntimeError("a split fetch left arrays of the final state unfetched")
+    return {"state": dict(final["state"], arrays=arrays), "carried": final["carried"]}
+
+
+async def _fit_end(client, workers, job, step, epoch, compare: bool, sizes=None, params=()):
+    """``(source, state, divergence, kept)``: every replica keeps its state (:func:`_keep_states`),
+    then the client takes the source's. Where other replicas hold arrays of it bit for bit (the
+    kept digests say which), each array comes from one of its holders, so that the bytes leave
+    over several links at once; otherwise :func:`_final_state` (``sizes``: bytes per array of
+    the state; ``params``: the parameters' indices among them)."""
+    kept = await _keep_states(client, workers, job, step, epoch)
+    plan = None if sizes is None else split_fetch(kept, workers, sizes, params)
+    if plan is not None:
+        source = next(w for w in workers if w in kept)
+        try:
+            final = await _fetch_split(client, job, step, epoch, plan, source)
+        except Exception as e:  # a holder lost since: the whole state from any replica
+            logger.info("dlspark job %s: a split fetch of the final state failed (%s); fetching it whole", job, e)
+        else:
+            # every replica's parameters are the source's bit for bit (split_fetch checked)
+            return source, final, (0.0 if compare else None), kept
+    ended = await _final_state(client, workers, job, step, epoch, compare)
     return (*ended, kept)
 
 

@@ -186,9 +186,12 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             return {"reply": to_serialize(Unavailable(peer=self.worker.address))}
         return await run.peer(request, **kw)
 
-    async def _state(self, job: str, step: int | None = None, epoch: int | None = None, params: bool = False):
+    async def _state(self, job: str, step: int | None = None, epoch: int | None = None, params: bool = False,
+                     only: list | None = None):
         """The job's train state and what its algorithm carries; with ``params``, only the
-        parameters' leaves (a third of the state under Adam: a peer comparing replicas needs no more)."""
+        parameters' leaves (a third of the state under Adam: a peer comparing replicas needs no more).
+        ``only``: the indices of the state's arrays to send (the others None, nothing carried):
+        the client takes a state that several replicas hold from all of them at once."""
         run = self._job(job)
         if params:
             import jax
@@ -197,6 +200,10 @@ class DlsparkWorkerPlugin(WorkerPlugin):
             leaves = await run.compute(lambda: [np.asarray(x) for x in jax.tree_util.tree_leaves(run.state.params)])
             return {"params": to_serialize(leaves)}
         out = await run.dump_state(step, epoch)
+        if only is not None:
+            wanted = set(only)
+            state = dict(out["state"], arrays=[a if i in wanted else None for i, a in enumerate(out["state"]["arrays"])])
+            return {"state": to_serialize(state), "carried": None}
         return {"state": to_serialize(out["state"]), "carried": to_serialize(out["carried"])}
 
     async def _keep(self, job: str, step: int | None = None, epoch: int | None = None):
