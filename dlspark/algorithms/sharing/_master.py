@@ -81,9 +81,10 @@ class GradientSharing(Algorithm):
         (``dlspark.compat``'s ``SharedTrainingMaster`` uses 4). Synchronous delivery
         was the more accurate on 7 of the parity suite's 8 tasks measured and reached the
         network benchmark's target accuracy in 2 epochs where asynchronous delivery took 3
-        to 4, at the same speed within the runs' spread with a core per worker. A
-        synchronous step waits for the slowest peer: where workers are uneven (shared
-        cores, mixed hardware) asynchronous delivery is the faster.
+        to 4; with a core per worker it gave up a few examples/s where the link is fast
+        (1.11x the single process against 1.19x on unlimited links, 0.80x both at
+        100 Mbit/s). A synchronous step waits for the slowest peer: where workers are
+        uneven (shared cores, mixed hardware) asynchronous delivery is the faster.
     momentum_masking : bool
         Deep Gradient Compression's momentum-factor masking: after each step, the
         updater's momentum (the fields named in ``momentum_fields`` of its optax state
