@@ -169,6 +169,10 @@ def make_master(algorithm, options):
         if "outer" in options:
             options["outer_updater"] = OUTERS[options.pop("outer")]()
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, training_approach="direct", **options)
+    options = dict(options)
+    if "band" in options:  # (min_sparsity, max_sparsity) of the adaptive threshold
+        low, high = options.pop("band")
+        options["threshold_algorithm"] = dlspark.AdaptiveThreshold(min_sparsity=low, max_sparsity=high)
     return dlspark.GradientSharing(batch_size_per_worker=BATCH, training_approach="direct", **options)
 
 

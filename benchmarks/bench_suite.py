@@ -75,6 +75,8 @@ OPTIONS = {
     "sharing-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
     "sharing-sync": ("sharing", {"max_staleness": 0}),  # synchronous delivery (the default since 5d37075)
     "sharing-async": ("sharing", {"max_staleness": 4}),  # DL4J's asynchronous delivery (the default before)
+    # a denser adaptive band: 1-5% of the elements a step (the default's is 0.01-1%)
+    "sharing-band": ("sharing", {"band": (0.01, 0.05)}),
     # parameter averaging's settings against its defaults (frequency 5, plain mean, the
     # updater's state averaged): fewer rounds, DiLoCo's outer Nesterov step, the state kept
     "averaging-f20": ("averaging", {"averaging_frequency": 20}),
