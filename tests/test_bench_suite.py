@@ -62,6 +62,9 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
         for k, v in options.items():
             if k == "outer":  # a named outer updater, made when the run starts
                 assert master.outer_updater is not None, name
+            elif k == "band":  # an adaptive threshold's sparsity band
+                t = master.threshold_algorithm
+                assert (t.min_sparsity, t.max_sparsity) == tuple(v), name
             else:
                 assert getattr(master, k) == (tuple(v) if isinstance(v, list) else v), name
     results = [{"task": "cancer", "run": run, "workers": 2, "seed": s, "value": v}
