@@ -123,7 +123,12 @@ def replica_arrays(master, state: dict) -> list:
     their own updater and go on where they stopped (``replicas_continue``); else none."""
     if not master.replicas_continue():
         return []
-    return [i for i, leaf in enumerate(state["leaves"]) if leaf["path"].startswith(".opt_state")]
+    return _leaves_under(state, ".opt_state")
+
+
+def _leaves_under(state: dict, field: str) -> list:
+    """Indices of ``state``'s arrays (``state_to_arrays``) that lie under the train state's ``field``."""
+    return [i for i, leaf in enumerate(state["leaves"]) if leaf["path"].startswith(field)]
 
 
 async def fetch_state(client, worker, job, step, epoch) -> dict:
@@ -262,7 +267,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             source, final, divergence, trainer._kept_states = client.sync(
                 _fit_end, client, list(result.workers), job, step, epoch, master.compare_replicas(),
                 [a.nbytes for a in state["arrays"]],
-                [i for i, leaf in enumerate(state["leaves"]) if leaf["path"].startswith(".params")])
+                _leaves_under(state, ".params"))
             trainer._kept_master = master
         net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
