@@ -83,7 +83,13 @@ OPTIONS = {
     "averaging-f5-nesterov": ("averaging", {"averaging_frequency": 5, "outer": "nesterov"}),
     "averaging-f50-nesterov": ("averaging", {"averaging_frequency": 50, "outer": "nesterov"}),
     "averaging-no-updater": ("averaging", {"save_updater": False}),
+    # Adam's learning rate scaled with the workers (n): by sqrt(n), the square-root rule for
+    # adaptive updaters at an n times larger batch, or by n, the linear rule
+    "averaging-lr-sqrt": ("averaging", {"lr_scale": "sqrt"}),
+    "averaging-lr-linear": ("averaging", {"lr_scale": "linear"}),
 }
+#: an option that is not the master's: Adam's learning rate times this function of the workers
+LR_SCALES = {"sqrt": math.sqrt, "linear": float}
 RUNS = {**{a: (a, o) for a, o in ALGORITHMS.items()}, **OPTIONS}
 WORKERS = (2, 4)
 #: the rule (points): every task's mean paired difference, and their average over the suite
@@ -285,13 +291,13 @@ TASKS = {t.name: t for t in _TASKS}
 HELD_OUT = tuple(t.name for t in _TASKS if t.held_out)
 
 
-def make_network(task, train, seed):
+def make_network(task, train, seed, lr_factor=1.0):
     import optax
 
     import dlspark
 
     model = dlspark.Model.from_flax(task.module(), train[:1].features)
-    return dlspark.Network(model, loss=task.loss, updater=optax.adam(task.learning_rate), seed=seed)
+    return dlspark.Network(model, loss=task.loss, updater=optax.adam(task.learning_rate * lr_factor), seed=seed)
 
 
 def score(task, net, test):
@@ -323,13 +329,22 @@ def single_fit(task, data, seed, batch=BATCH):
     return {"value": score(task, net, test)}
 
 
-def distributed_fit(client, task, data, seed, algorithm):
+def run_setup(task, train, seed, run, workers):
+    """``(network, master)`` of a distributed run: the run's options go to its master, but for
+    ``lr_scale``, which scales the network's learning rate with the workers."""
+    algorithm, options = RUNS[run]
+    options = dict(options)
+    scale = options.pop("lr_scale", None)
+    net = make_network(task, train, seed, lr_factor=LR_SCALES[scale](workers) if scale else 1.0)
+    return net, make_master(algorithm, options)
+
+
+def distributed_fit(client, task, data, seed, run, workers):
     import dlspark
 
     train, test = data
-    net = make_network(task, train, seed)
-    algorithm, options = RUNS[algorithm]
-    master = make_master(algorithm, options)
+    net, master = run_setup(task, train, seed, run, workers)
+    algorithm = master.name
     with dlspark.DistributedTrainer(client, net, master, progress=False) as trainer:
         trainer.fit(shuffled(train, seed), epochs=task.epochs)
         out = {"value": score(task, trainer.network, test)}
@@ -448,7 +463,7 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
             for seed in seeds:
                 for t in tasks:
                     for a in algorithms:
-                        record(t, a, w, seed, distributed_fit, client, TASKS[t], data[t], seed, a)
+                        record(t, a, w, seed, distributed_fit, client, TASKS[t], data[t], seed, a, w)
         finally:
             for close in (client.close, cluster.close):  # the results are saved: a slow nanny is no failure
                 try:

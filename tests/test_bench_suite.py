@@ -57,10 +57,12 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
     from bench_parity import make_master
 
     for name, (algorithm, options) in bench_suite.OPTIONS.items():
-        master = make_master(algorithm, options)
+        master = make_master(algorithm, {k: v for k, v in options.items() if k != "lr_scale"})
         assert master.name == algorithm, name
         for k, v in options.items():
-            if k == "outer":  # a named outer updater, made when the run starts
+            if k == "lr_scale":  # the network's learning rate, not the master's
+                assert v in bench_suite.LR_SCALES, name
+            elif k == "outer":  # a named outer updater, made when the run starts
                 assert master.outer_updater is not None, name
             elif k == "band":  # an adaptive threshold's sparsity band
                 t = master.threshold_algorithm
@@ -72,3 +74,17 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
     table = bench_suite.options_table(results)
     assert table["rows"][0][:6] == ["cancer", "sharing-masking", "sharing", 2, 2, "+1.50"]
     assert bench_suite.options_table([r for r in results if r["run"] == "sharing"]) is None
+
+
+def test_a_learning_rate_scaling_option_scales_adams_rate_with_the_workers():
+    task = bench_suite.TASKS["cancer"]
+    train, _ = task.data()
+    runs = {"averaging": 1.0, "averaging-lr-sqrt": 2.0, "averaging-lr-linear": 4.0}
+    for run, factor in runs.items():
+        net, master = bench_suite.run_setup(task, train, 0, run, workers=4)
+        assert master.name == run.split("-")[0] and master.batch_size_per_worker == 16
+        # Adam's first step moves each parameter by about its learning rate, whatever the gradient
+        before = [np.asarray(p) for p in jax.tree.leaves(net.params)]
+        net.fit(train[:16], epochs=1, batch_size=16)
+        step = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(jax.tree.leaves(net.params), before))
+        assert step == pytest.approx(factor * task.learning_rate, rel=1e-2), run

@@ -281,53 +281,47 @@ class SharingState:
                 decode_into(m, total)
         return len(items)
 
+    def _wait_until_caught_up(self, behind) -> float:
+        """Block until ``behind()`` (called under the lock) lists no live peer, or until the
+        stale timeout, after which the peers still listed count as gone (the round's sync sorts
+        out what they sent); returns the seconds waited."""
+        began = time.monotonic()
+        deadline = began + config.get_seconds("sharing.stale-timeout")
+        with self.lock:
+            while True:
+                late = [p for p in behind() if p not in self.gone]
+                if not late:
+                    return time.monotonic() - began
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.gone.update(late)
+                    return time.monotonic() - began
+                self.lock.wait(min(left, 0.05))
+
     def _wait_for_peers(self, peers, done, max_staleness):
         """Block while some live peer is more than ``max_staleness`` of this round's steps behind.
 
         ``peers`` maps each peer to ``(its step counter at round start, its
         minibatches this round)``; a peer that finished its share holds no one back.
         """
-        began = time.monotonic()
-        timeout = config.get_seconds("sharing.stale-timeout")
-        deadline = began + timeout
 
         def lagging(p):
             start, quota = peers[p]
             theirs = self.progress.get(p, start) - start
             return theirs < quota and theirs < done - max_staleness
 
-        with self.lock:
-            while True:
-                behind = [p for p in peers if p not in self.gone and lagging(p)]
-                if not behind:
-                    return time.monotonic() - began
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.gone.update(behind)  # the round's sync sorts out what they sent
-                    return timeout
-                self.lock.wait(min(left, 0.05))
+        return self._wait_until_caught_up(lambda: [p for p in peers if lagging(p)])
 
     def _wait_for_step(self, peers, done):
         """Synchronous delivery (``max_staleness=0``): block until every live peer's message of
         this round's step ``done`` (0-based) is here, or the peer's share ended before it; returns
         the seconds waited and ``{peer: its last step to apply now}``."""
-        began = time.monotonic()
-        deadline = began + config.get_seconds("sharing.stale-timeout")
         upto = {p: start + min(done + 1, quota) for p, (start, quota) in peers.items()}
 
         def missing(p):
             return upto[p] > peers[p][0] and (p, upto[p]) not in self.store and (p, upto[p]) not in self.applied
 
-        with self.lock:
-            while True:
-                behind = [p for p in peers if p not in self.gone and missing(p)]
-                if not behind:
-                    return time.monotonic() - began, upto
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.gone.update(behind)  # the round's sync sorts out what they sent
-                    return time.monotonic() - began, upto
-                self.lock.wait(min(left, 0.05))
+        return self._wait_until_caught_up(lambda: [p for p in peers if missing(p)]), upto
 
     # -- the step loop (compute thread) ------------------------------------------
     def new_round(self):
