@@ -29,7 +29,10 @@ For every seed (0-9, fixed in ``SEEDS``) the single process and every distribute
 start from the same parameters and see the same shuffled minibatches (paired seeds, the
 machinery of ``bench_parity``), with Adam and 16 examples per minibatch per worker. The
 references are the single process at 16 examples a step (``single``) and at the global
-minibatch of ``n`` workers (``single-global``).
+minibatch of ``n`` workers (``single-global``). Two more references are run when named in
+``--algorithms``: the single process at the global minibatch with Adam's rate times
+``sqrt(n)`` or ``n`` (``single-global-lr-sqrt``, ``single-global-lr-linear``), what
+synchronous data parallelism at ``n`` workers could reach at equal epochs.
 
 A *point* is test accuracy x 100 (classification), exact ROC AUC x 100 (the imbalanced
 task, ``sklearn.metrics.roc_auc_score``) or, for a regression, the relative change of the
@@ -87,10 +90,17 @@ OPTIONS = {
     # adaptive updaters at an n times larger batch, or by n, the linear rule
     "averaging-lr-sqrt": ("averaging", {"lr_scale": "sqrt"}),
     "averaging-lr-linear": ("averaging", {"lr_scale": "linear"}),
+    # gradient sharing applies the sum of every replica's update, so at n workers Adam moves an
+    # element by up to n times its rate a step: its rate over sqrt(n) keeps sqrt(n), the
+    # square-root rule for the n times larger minibatch
+    "sharing-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt"}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
-LR_SCALES = {"sqrt": math.sqrt, "linear": float}
+LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
 RUNS = {**{a: (a, o) for a, o in ALGORITHMS.items()}, **OPTIONS}
+#: references beyond ``single`` and ``single-global``, run when named in --algorithms: one process
+#: at the global minibatch of n workers with Adam's rate times LR_SCALES[scale](n)
+REFERENCES = {"single-global-lr-sqrt": "sqrt", "single-global-lr-linear": "linear"}
 WORKERS = (2, 4)
 #: the rule (points): every task's mean paired difference, and their average over the suite
 RULE_EVERY, RULE_MEAN = -1.0, -0.5
@@ -322,9 +332,9 @@ def points(task, value, reference):
 
 
 # -- fits -----------------------------------------------------------------------------------------
-def single_fit(task, data, seed, batch=BATCH):
+def single_fit(task, data, seed, batch=BATCH, lr_factor=1.0):
     train, test = data
-    net = make_network(task, train, seed)
+    net = make_network(task, train, seed, lr_factor=lr_factor)
     net.fit(shuffled(train, seed), epochs=task.epochs, batch_size=batch)
     return {"value": score(task, net, test)}
 
@@ -377,10 +387,10 @@ def summary(results):
     rows, means = [], {}
     for name, task in TASKS.items():
         for w in sorted({r["workers"] for r in results if r["task"] == name and r["workers"] > 1}):
-            for run in [a for a in RUNS if any(r["task"] == name and r["run"] == a for r in results)]:
+            for run in [a for a in [*RUNS, *REFERENCES] if any(r["task"] == name and r["run"] == a for r in results)]:
                 d = paired_points(results, name, run, w, ("single", 1))
                 g = paired_points(results, name, run, w, ("single-global", w))
-                if d:
+                if d and run not in REFERENCES:  # the rule is the algorithms', not the references'
                     means.setdefault((run, w), []).append(float(np.mean(d)))
                 ratio = [r["dense_bytes"] / max(1, r["bytes_sent"]) for r in results
                          if (r["task"], r["run"], r["workers"]) == (name, run, w) and "dense_bytes" in r]
@@ -451,12 +461,17 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
         write(out, results, command, source)
         print(json.dumps(r), flush=True)
 
+    references = [a for a in algorithms if a in REFERENCES]
+    algorithms = [a for a in algorithms if a not in REFERENCES]
     for seed in seeds:
         for t in tasks:
             record(t, "single", 1, seed, single_fit, TASKS[t], data[t], seed)
             for w in workers:
                 record(t, "single-global", w, seed, single_fit, TASKS[t], data[t], seed, BATCH * w)
-    for w in workers:
+                for ref in references:
+                    record(t, ref, w, seed, single_fit, TASKS[t], data[t], seed, BATCH * w,
+                           LR_SCALES[REFERENCES[ref]](w))
+    for w in workers if algorithms else ():
         cluster = local_cluster(w, dashboard_address=None)
         client = Client(cluster)
         try:
@@ -514,8 +529,9 @@ def main(argv=None):
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--seeds", nargs="+", type=_seed, default=list(SEEDS), help="default: all, %(default)s")
     p.add_argument("--workers", nargs="+", type=_workers, default=list(WORKERS))
-    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(RUNS),
-                   help="default: %(default)s; the options in OPTIONS are measured by naming them")
+    p.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=[*RUNS, *REFERENCES],
+                   help="default: %(default)s; the options in OPTIONS and the references in REFERENCES are "
+                        "run by naming them")
 
     p.add_argument("--out", default="suite.json", help="results and tables, JSON (resumed if it exists)")
     p.add_argument("--source", default="benchmarks/bench_suite.py, written as each result came",

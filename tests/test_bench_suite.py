@@ -88,3 +88,17 @@ def test_a_learning_rate_scaling_option_scales_adams_rate_with_the_workers():
         net.fit(train[:16], epochs=1, batch_size=16)
         step = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(jax.tree.leaves(net.params), before))
         assert step == pytest.approx(factor * task.learning_rate, rel=1e-2), run
+
+
+def test_a_reference_run_is_one_process_at_the_global_minibatch_with_the_scaled_rate(tmp_path):
+    out = str(tmp_path / "suite.json")
+    # no distributed run is named: no cluster starts, only the single processes train
+    results = bench_suite.run_grid(["cancer"], [0], [4], ["single-global-lr-linear"], out)
+    runs = {(r["run"], r["workers"]): r["value"] for r in results}
+    assert set(runs) == {("single", 1), ("single-global", 4), ("single-global-lr-linear", 4)}
+    task = bench_suite.TASKS["cancer"]
+    again = bench_suite.single_fit(task, task.data(), 0, batch=64, lr_factor=4.0)["value"]
+    assert runs[("single-global-lr-linear", 4)] == again
+    tables = bench_suite.summary(bench_suite._results(out))
+    assert [row[3] for row in tables[0]["rows"]] == ["single-global-lr-linear"]  # tabled against the single process
+    assert tables[1]["rows"] == []  # and not an algorithm under the rule
