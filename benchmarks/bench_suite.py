@@ -94,6 +94,7 @@ OPTIONS = {
     # element by up to n times its rate a step: its rate over sqrt(n) keeps sqrt(n), the
     # square-root rule for the n times larger minibatch
     "sharing-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt"}),
+    "sharing-lr-sqrt": ("sharing", {"lr_scale": "sqrt"}),  # the other way, against the same defaults
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}

@@ -55,9 +55,11 @@ SKIP = {
         "examples/train_digits_spark.py, runs in tests/test_compat.py",
     ("docs/guides/deployment.md", "from dask_jobqueue import LSFCluster, PBSCluster, SGECluster"):
         "needs PBS, LSF and SGE schedulers; jobqueue_options' scripts are checked in tests/test_deploy.py",
-    ("docs/guides/deployment.md", "dlspark train train.py --slurm \"workers=8,gpus_per_worker=1,memory_limit=32GB,"
-                                  "queue=gpu\" -- --epochs 10"):
-        "needs a SLURM cluster with GPUs and the reader's train.py; dlspark train --slurm runs in tests/test_slurm.py",
+    ("docs/guides/deployment.md", "dlspark train examples/train_digits.py --local 2 -- --epochs 2"):
+        "the --local line: tests/test_train_command.py runs dlspark train --local 2 on examples/train_digits.py and "
+        "checks what it says and the accuracy it reaches (the page's dlspark info block runs the installed command "
+        "here); the --slurm and --scheduler lines need a SLURM cluster with GPUs, a running scheduler and the "
+        "reader's train.py (dlspark train --slurm runs in tests/test_slurm.py)",
     ("docs/benchmarks/index.md", "pip install -e \".[bench]\""):
         "installs asv and runs every benchmark suite (minutes); the suites are run by hand",
     ("docs/benchmarks/parity-suite.md", "python benchmarks/bench_suite.py --out suite.json       # the whole suite"):
