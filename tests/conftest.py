@@ -37,21 +37,6 @@ import pytest  # noqa: E402
 import dlspark  # noqa: E402
 
 
-#: the files that take the most CPU, most first (CPU seconds summed per file over a whole run on
-#: two cores: about 230 down to 70 each). pytest-xdist's ``--dist loadfile`` hands files out in
-#: collection order, so these go first and the short files fill the end of the run on both
-#: processes, rather than one long file running alone at the end while the other process waits.
-LONGEST_FILES = ("test_docs.py", "test_device_dryrun.py", "test_trainer.py", "test_models.py", "test_parallel.py",
-                 "test_sharing.py", "test_compat.py", "test_network.py", "test_compat_programs.py",
-                 "test_reliability.py", "test_bench_suite.py")
-
-
-def pytest_collection_modifyitems(items):
-    # a stable sort: each file's tests keep their order, the other files theirs
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 class FiniteOutputs(nn.Module):
     """A model whose outputs hide a non-finite input: the loss stays finite, the gradient does not."""
 
