@@ -365,6 +365,23 @@ def distributed_fit(client, task, data, seed, run, workers):
     return out
 
 
+def wrapper_fit(task, data, seed, run, workers):
+    """:func:`distributed_fit` on a :class:`~dlspark.ParallelWrapper` over ``workers`` CPU
+    devices of this process: the same job as on a cluster of that many workers (the two
+    runtimes give the same bits, as tests/test_runtimes.py checks), without the processes."""
+    import dlspark
+
+    train, test = data
+    net, master = run_setup(task, train, seed, run, workers)
+    wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False)
+    wrapper.fit(shuffled(train, seed), epochs=task.epochs)
+    out = {"value": score(task, wrapper.network, test), "runtime": "wrapper"}
+    comm = wrapper.published.get("communication")
+    if master.name == "sharing" and comm and comm.get("dense_bytes"):
+        out.update(bytes_sent=int(comm["bytes_sent"]), dense_bytes=int(comm["dense_bytes"]))
+    return out
+
+
 # -- summary --------------------------------------------------------------------------------------
 def paired_points(results, task, run, workers, against):
     """The paired differences (points) of a run from a reference ``(run, workers)``, by seed."""
@@ -437,12 +454,21 @@ def _results(path):
 
 
 # -- the run --------------------------------------------------------------------------------------
-def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchmarks/bench_suite.py"):
-    """Run every missing (task, run, workers, seed), writing ``out`` after each result."""
+def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchmarks/bench_suite.py",
+             runtime="cluster"):
+    """Run every missing (task, run, workers, seed), writing ``out`` after each result.
+    ``runtime="wrapper"``: the distributed runs on a ParallelWrapper over ``workers`` CPU
+    devices (JAX must have been given that many, see :func:`main`)."""
     from distributed import Client
 
     from dlspark.cluster import local_cluster
 
+    if runtime not in ("cluster", "wrapper"):
+        raise ValueError(f"runtime must be 'cluster' or 'wrapper', got {runtime!r}")
+    lagging = [a for a in algorithms if a in RUNS and RUNS[a][1].get("max_staleness", 0)]
+    if runtime == "wrapper" and lagging:  # a wrapper's devices step in lockstep
+        raise SystemExit(f"--runtime wrapper runs gradient sharing's synchronous delivery only; "
+                         f"{', '.join(lagging)} deliver late (max_staleness > 0): run them on a cluster")
     results = _results(out)
     for r in results:  # results at another budget must not be paired with these
         if r["task"] in tasks and r["epochs"] != TASKS[r["task"]].epochs:
@@ -472,6 +498,13 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
                 for ref in references:
                     record(t, ref, w, seed, single_fit, TASKS[t], data[t], seed, BATCH * w,
                            LR_SCALES[REFERENCES[ref]](w))
+    if runtime == "wrapper":
+        for w in workers:
+            for seed in seeds:
+                for t in tasks:
+                    for a in algorithms:
+                        record(t, a, w, seed, wrapper_fit, TASKS[t], data[t], seed, a, w)
+        return results
     for w in workers if algorithms else ():
         cluster = local_cluster(w, dashboard_address=None)
         client = Client(cluster)
@@ -534,6 +567,10 @@ def main(argv=None):
                    help="default: %(default)s; the options in OPTIONS and the references in REFERENCES are "
                         "run by naming them")
 
+    p.add_argument("--runtime", default="cluster", choices=["cluster", "wrapper"],
+                   help="where the distributed runs train: a LocalCluster of --workers processes (default), "
+                        "or a ParallelWrapper over that many CPU devices of this process (the same bits, "
+                        "faster on a small machine; each result records 'runtime')")
     p.add_argument("--out", default="suite.json", help="results and tables, JSON (resumed if it exists)")
     p.add_argument("--source", default="benchmarks/bench_suite.py, written as each result came",
                    help="the source line written into --out (what the run was)")
@@ -541,7 +578,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     command = shlex.join(["python", "benchmarks/bench_suite.py", *(sys.argv[1:] if argv is None else argv)])
     if not a.table:
-        run_grid(a.tasks, a.seeds, a.workers, a.algorithms, a.out, command, a.source)
+        if a.runtime == "wrapper":  # before JAX starts its CPU backend
+            import jax
+
+            jax.config.update("jax_num_cpu_devices", max(a.workers))
+        run_grid(a.tasks, a.seeds, a.workers, a.algorithms, a.out, command, a.source, a.runtime)
     for table in summary(_results(a.out)):
         print(f"\n{table['title']}\n" + " | ".join(map(str, table["columns"])))
         for row in table["rows"]:

@@ -9,7 +9,9 @@ encoding, threshold algorithm and residual clipping of ``dlspark.algorithms.shar
 sum (0.5: the mean of two workers), ``noclip`` drops the residual clipping, ``band``
 and ``target`` change the threshold algorithm, ``init`` starts it at a fixed value
 (DL4J's way), ``lr`` the learning rate, ``flush`` applies what is left in the
-residuals at the end. No cluster, no asynchrony: what differs from ``single`` (one
+residuals at the end. ``values`` sends, where the residual crosses the threshold, the
+residual's own values instead of ``±threshold`` (as Deep Gradient Compression sends its
+top elements; 8 bytes an element here against the sign-and-index encoding's 4). No cluster, no asynchrony: what differs from ``single`` (one
 process) is the algorithm's arithmetic alone.
 
 ``python benchmarks/sharing_anatomy.py single dense sharing dense:scale=0.5 sharing:noclip=1``
@@ -73,6 +75,16 @@ def run(mode, n=2, epochs=8, lr=3e-3, seed=0, scale=1.0, noclip=0, flush=0, targ
                 kept.append((step.opt_state, step.model_state, step.rng))
                 if mode == "dense":
                     total += flat
+                    continue
+                if mode == "values":  # DGC's way: the residual's own values where it crosses the threshold
+                    res[w] += flat
+                    ts[w] = algo.prepare(ts[w], res[w])
+                    t = ts[w].threshold
+                    hit = np.flatnonzero(np.abs(res[w]) >= t)
+                    total[hit] += res[w][hit]
+                    res[w][hit] = 0.0
+                    sent += 8 * hit.size + 16
+                    ts[w] = algo.update(ts[w], hit.size / size)
                     continue
                 res[w] += flat
                 ts[w] = algo.prepare(ts[w], res[w])

@@ -28,7 +28,13 @@ import jax.numpy as jnp  # noqa: E402
 # Several CPU devices in the test process, as equinox's conftest gives it, so that multi-device
 # code (ParallelWrapper) is tested on any machine. JAX's setting, not XLA_FLAGS: the spawned Dask
 # worker processes must not inherit it. It must come before any JAX operation starts a backend.
-jax.config.update("jax_num_cpu_devices", 2)
+try:
+    jax.config.update("jax_num_cpu_devices", 2)
+except RuntimeError:
+    # Not the test process: a Dask worker or a Spark executor that unpickles a class defined
+    # here (MLP below) imports this module after its own JAX started; it keeps its devices.
+    # (Were it the test process, every ParallelWrapper test would fail on one device.)
+    pass
 
 import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
@@ -124,10 +130,27 @@ def client1():
     yield from _cluster_client(1)
 
 
+@pytest.fixture(scope="session")
+def _cluster2():
+    """The two-worker LocalCluster that every module asking for ``client2`` in one test process
+    shares: each start cost about 8 CPU-s (two spawned workers importing JAX, the first fit's
+    compilations), some 13 times a run."""
+    from dlspark.cluster import local_cluster
+
+    with local_cluster(2) as cluster:
+        yield cluster
+
+
 @pytest.fixture(scope="module")
-def client2():
-    """A real LocalCluster of two worker processes (one per test module)."""
-    yield from _cluster_client(2)
+def client2(_cluster2):
+    """A real LocalCluster of two worker processes, shared between test modules (a worker a
+    test killed has been restarted by its nanny when the next module starts); a fresh client
+    per module."""
+    from distributed import Client
+
+    with Client(_cluster2) as client:
+        client.wait_for_workers(2, timeout=60)
+        yield client
 
 
 @pytest.fixture(scope="session")

@@ -102,3 +102,18 @@ def test_a_reference_run_is_one_process_at_the_global_minibatch_with_the_scaled_
     tables = bench_suite.summary(bench_suite._results(out))
     assert [row[3] for row in tables[0]["rows"]] == ["single-global-lr-linear"]  # tabled against the single process
     assert tables[1]["rows"] == []  # and not an algorithm under the rule
+
+
+def test_the_wrapper_runtime_trains_the_clusters_job_to_the_same_bits(client2, tmp_path):
+    # gradient sharing's bytes follow every threshold, and each threshold every bit of the residual
+    task = bench_suite.TASKS["cancer"]
+    data = task.data()
+    on_cluster = bench_suite.distributed_fit(client2, task, data, 0, "sharing", 2)
+    on_devices = bench_suite.wrapper_fit(task, data, 0, "sharing", 2)
+    assert on_devices["runtime"] == "wrapper" and on_devices["value"] == on_cluster["value"]
+    assert on_devices["bytes_sent"] == on_cluster["bytes_sent"] > 0
+    assert on_devices["dense_bytes"] == on_cluster["dense_bytes"] > on_devices["bytes_sent"]
+    # a wrapper's devices step in lockstep: a run that delivers late is refused before any fit
+    with pytest.raises(SystemExit, match="sharing-async deliver late"):
+        bench_suite.run_grid(["friedman"], [0], [2], ["sharing-async"], str(tmp_path / "s.json"), runtime="wrapper")
+    assert not (tmp_path / "s.json").exists()
