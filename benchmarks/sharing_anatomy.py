@@ -11,8 +11,9 @@ and ``target`` change the threshold algorithm, ``init`` starts it at a fixed val
 (DL4J's way), ``lr`` the learning rate, ``flush`` applies what is left in the
 residuals at the end. ``values`` sends, where the residual crosses the threshold, the
 residual's own values instead of ``±threshold`` (as Deep Gradient Compression sends its
-top elements; 8 bytes an element here against the sign-and-index encoding's 4). No cluster, no asynchrony: what differs from ``single`` (one
-process) is the algorithm's arithmetic alone.
+top elements; 8 bytes an element here against the sign-and-index encoding's 4). No
+cluster, no asynchrony: what differs from ``single`` (one process) is the algorithm's
+arithmetic alone.
 
 ``python benchmarks/sharing_anatomy.py single dense sharing dense:scale=0.5 sharing:noclip=1``
 prints ``config seed accuracy dense/sent seconds`` per configuration and seed (3 seeds).

@@ -134,7 +134,7 @@ def client1():
 def _cluster2():
     """The two-worker LocalCluster that every module asking for ``client2`` in one test process
     shares: each start cost about 8 CPU-s (two spawned workers importing JAX, the first fit's
-    compilations), some 13 times a run."""
+    compilations), a dozen times a run before."""
     from dlspark.cluster import local_cluster
 
     with local_cluster(2) as cluster:
