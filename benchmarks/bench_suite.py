@@ -51,6 +51,8 @@ of ``docs/_data/``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -350,19 +352,24 @@ def run_setup(task, train, seed, run, workers):
     return net, make_master(algorithm, options)
 
 
+def _figures(task, fitted, master, test):
+    """The task's figure of a fitted trainer or wrapper; for gradient sharing also the bytes
+    sent over the whole fit and the dense fp32 bytes the same messages would have taken."""
+    out = {"value": score(task, fitted.network, test)}
+    comm = getattr(fitted, "communication", None)
+    if master.name == "sharing" and comm and comm.get("dense_bytes"):
+        out.update(bytes_sent=int(comm["bytes_sent"]), dense_bytes=int(comm["dense_bytes"]))
+    return out
+
+
 def distributed_fit(client, task, data, seed, run, workers):
     import dlspark
 
     train, test = data
     net, master = run_setup(task, train, seed, run, workers)
-    algorithm = master.name
     with dlspark.DistributedTrainer(client, net, master, progress=False) as trainer:
         trainer.fit(shuffled(train, seed), epochs=task.epochs)
-        out = {"value": score(task, trainer.network, test)}
-        comm = getattr(trainer, "communication", None)
-        if algorithm == "sharing" and comm and comm.get("dense_bytes"):
-            out.update(bytes_sent=int(comm["bytes_sent"]), dense_bytes=int(comm["dense_bytes"]))
-    return out
+        return _figures(task, trainer, master, test)
 
 
 def wrapper_fit(task, data, seed, run, workers):
@@ -375,11 +382,30 @@ def wrapper_fit(task, data, seed, run, workers):
     net, master = run_setup(task, train, seed, run, workers)
     wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False)
     wrapper.fit(shuffled(train, seed), epochs=task.epochs)
-    out = {"value": score(task, wrapper.network, test), "runtime": "wrapper"}
-    comm = wrapper.published.get("communication")
-    if master.name == "sharing" and comm and comm.get("dense_bytes"):
-        out.update(bytes_sent=int(comm["bytes_sent"]), dense_bytes=int(comm["dense_bytes"]))
-    return out
+    return {**_figures(task, wrapper, master, test), "runtime": "wrapper"}
+
+
+@contextlib.contextmanager
+def _fitter(runtime, workers):
+    """The fit function of a distributed run on ``runtime`` at ``workers``: a LocalCluster's
+    (started here, closed after) or a ParallelWrapper's."""
+    if runtime == "wrapper":
+        yield wrapper_fit
+        return
+    from distributed import Client
+
+    from dlspark.cluster import local_cluster
+
+    cluster = local_cluster(workers, dashboard_address=None)
+    client = Client(cluster)
+    try:
+        yield functools.partial(distributed_fit, client)
+    finally:
+        for close in (client.close, cluster.close):  # the results are saved: a slow nanny is no failure
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001
+                print(f"closing the {workers}-worker cluster: {e!r}", file=sys.stderr)
 
 
 # -- summary --------------------------------------------------------------------------------------
@@ -459,10 +485,6 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
     """Run every missing (task, run, workers, seed), writing ``out`` after each result.
     ``runtime="wrapper"``: the distributed runs on a ParallelWrapper over ``workers`` CPU
     devices (JAX must have been given that many, see :func:`main`)."""
-    from distributed import Client
-
-    from dlspark.cluster import local_cluster
-
     if runtime not in ("cluster", "wrapper"):
         raise ValueError(f"runtime must be 'cluster' or 'wrapper', got {runtime!r}")
     lagging = [a for a in algorithms if a in RUNS and RUNS[a][1].get("max_staleness", 0)]
@@ -498,27 +520,12 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
                 for ref in references:
                     record(t, ref, w, seed, single_fit, TASKS[t], data[t], seed, BATCH * w,
                            LR_SCALES[REFERENCES[ref]](w))
-    if runtime == "wrapper":
-        for w in workers:
-            for seed in seeds:
-                for t in tasks:
-                    for a in algorithms:
-                        record(t, a, w, seed, wrapper_fit, TASKS[t], data[t], seed, a, w)
-        return results
     for w in workers if algorithms else ():
-        cluster = local_cluster(w, dashboard_address=None)
-        client = Client(cluster)
-        try:
+        with _fitter(runtime, w) as fit:
             for seed in seeds:
                 for t in tasks:
                     for a in algorithms:
-                        record(t, a, w, seed, distributed_fit, client, TASKS[t], data[t], seed, a, w)
-        finally:
-            for close in (client.close, cluster.close):  # the results are saved: a slow nanny is no failure
-                try:
-                    close()
-                except Exception as e:  # noqa: BLE001
-                    print(f"closing the {w}-worker cluster: {e!r}", file=sys.stderr)
+                        record(t, a, w, seed, fit, TASKS[t], data[t], seed, a, w)
     return results
 
 

@@ -77,19 +77,16 @@ def run(mode, n=2, epochs=8, lr=3e-3, seed=0, scale=1.0, noclip=0, flush=0, targ
                 if mode == "dense":
                     total += flat
                     continue
+                res[w] += flat
+                ts[w] = algo.prepare(ts[w], res[w])
+                t = ts[w].threshold
                 if mode == "values":  # DGC's way: the residual's own values where it crosses the threshold
-                    res[w] += flat
-                    ts[w] = algo.prepare(ts[w], res[w])
-                    t = ts[w].threshold
                     hit = np.flatnonzero(np.abs(res[w]) >= t)
                     total[hit] += res[w][hit]
                     res[w][hit] = 0.0
                     sent += 8 * hit.size + 16
                     ts[w] = algo.update(ts[w], hit.size / size)
                     continue
-                res[w] += flat
-                ts[w] = algo.prepare(ts[w], res[w])
-                t = ts[w].threshold
                 enc = threshold_encode(res[w], t, out=res[w], min_count=2)
                 if enc.message[0] != EMPTY:
                     decode_into(enc.message, total)
