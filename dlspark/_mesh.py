@@ -83,12 +83,16 @@ class MeshExchange:
 
     axis = AXIS
 
-    def __init__(self, devices):
+    def __init__(self, devices, fuse_collectives: bool | None = None):
         self.devices = list(devices)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self.stacked = NamedSharding(self.mesh, P(AXIS))
         self._sum = jax.jit(lambda m: m.sum(0), out_shardings=NamedSharding(self.mesh, P()))
         self._masks: dict = {}
+        #: whether :meth:`spmd_summed` compiles its sum into the call around it (see there);
+        #: by default everywhere but on CPU devices
+        self.fuse_collectives = (self.devices[0].platform != "cpu") if fuse_collectives is None \
+            else bool(fuse_collectives)
 
     def __len__(self):
         return len(self.devices)
@@ -103,13 +107,25 @@ class MeshExchange:
         argument: XLA would turn a division by a constant into a multiplication). With two
         devices the sum has one order, so it is the cluster's mean bit for bit. Integer
         leaves stay each replica's own. ``contributes``: this replica's flag (one that had
-        no minibatch adds nothing)."""
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
-        wide = [leaves[i].astype(jnp.promote_types(leaves[i].dtype, jnp.float32)) for i in floats]
+        no minibatch adds nothing). Inside one SPMD call; :meth:`mean_parts` and
+        :meth:`mean_of` are its halves for :meth:`spmd_summed`."""
+        return self.mean_of(tree, self.psum(self.mean_parts(tree, contributes)), n)
+
+    @staticmethod
+    def mean_parts(tree, contributes=None) -> list:
+        """What :meth:`mean` sums over the replicas: ``tree``'s floating leaves in at least
+        fp32, zero where this replica does not contribute."""
+        wide = [x.astype(jnp.promote_types(x.dtype, jnp.float32))
+                for x in jax.tree_util.tree_leaves(tree) if is_averaged(x)]
         if contributes is not None:
             wide = [jnp.where(contributes, x, jnp.zeros_like(x)) for x in wide]
-        sums = jax.lax.psum(wide, AXIS)
+        return wide
+
+    @staticmethod
+    def mean_of(tree, sums, n):
+        """``tree`` with its floating leaves replaced by ``sums`` (of :meth:`mean_parts`) over ``n``."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
         for i, s in zip(floats, sums):
             leaves[i] = (s / n.astype(s.dtype)).astype(leaves[i].dtype)
         return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -133,6 +149,35 @@ class MeshExchange:
 
         return call
 
+    def spmd_summed(self, before, after, replicated=(), donate=()):
+        """``before``, a sum over the replicas, then ``after``: one replica's view of
+        ``before(*args)`` returns ``(kept, parts)``, ``parts`` a list of arrays summed over
+        the replicas; ``after(kept, sums)`` returns the call's outputs (per replica, as
+        :meth:`spmd`'s). ``replicated`` and ``donate`` are ``before``'s.
+
+        With ``fuse_collectives`` the three are one SPMD call, the sum a ``psum``. Without
+        it (CPU devices) ``before`` and ``after`` are two calls and the sum is taken on the
+        host between them (:meth:`host_sum`), so that no device ever waits for another
+        inside XLA: XLA:CPU runs every device's calls, and the loops inside them, on one
+        thread pool of as many threads as cores, where an all-reduce blocks its thread
+        until every device has arrived, so a device waiting in one can hold the thread
+        another device's loop needs to get there (seen with two devices on two cores and
+        a recurrent model: XLA aborts the process after 40 s)."""
+        if self.fuse_collectives:
+            def fused(*args):
+                kept, parts = before(*args)
+                return after(kept, self.psum(parts))
+
+            return self.spmd(fused, replicated, donate)
+        first_call = self.spmd(lambda *args: lead(before(*args)), replicated, donate)
+        second_call = self.spmd(lambda kept, sums: after(first(kept), first(sums)))
+
+        def call(*args):
+            kept, parts = first_call(*args)
+            return second_call(kept, self.host_sum(parts))
+
+        return call
+
     # -- on the host ------------------------------------------------------------------
     def put(self, host_stacked):
         """A host tree ``[replica, ...]`` placed one slice per device."""
@@ -150,6 +195,19 @@ class MeshExchange:
             (len(self.devices),) + per_device[0].shape, self.stacked, [v[None] for v in per_device])
         total = by_device(self._sum(stacked))
         return [total[d] for d in self.devices]
+
+    def host_sum(self, stacked: list) -> list:
+        """Each stacked array's sum over the replicas, taken on the host in device order as
+        the cluster's mean adds its contributions (one copy of the first, in-place adds),
+        and placed on every device again (``[replica, ...]``)."""
+        out = []
+        for x in stacked:
+            parts = by_device(x)
+            total = np.array(parts[self.devices[0]], copy=True)
+            for d in self.devices[1:]:
+                np.add(total, parts[d], out=total)
+            out.append(self.put(np.broadcast_to(total, (len(self.devices),) + total.shape[1:])))
+        return out
 
     def replica(self, tree, r: int = 0):
         """Replica ``r`` of a stacked tree, on the host."""

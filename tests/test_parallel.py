@@ -8,6 +8,10 @@ job as a DistributedTrainer on a 2-worker LocalCluster ends at the same
 parameters (dropout included), and a checkpoint of either resumes in the other.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +21,7 @@ from conftest import MLP, _cluster_client, accuracy
 
 import dlspark
 from dlspark import DataSet, DistributedTrainer, GradientSharing, ParallelWrapper, ParameterAveraging
+from dlspark.algorithms import LocalSGD
 from dlspark.algorithms.averaging._numerics import outer_step
 from dlspark.checkpoint import read_checkpoint_meta
 from dlspark.errors import CheckpointError, NonFiniteLossError
@@ -147,6 +152,28 @@ def test_step_by_step_rounds_equal_fused_rounds(make_net, digits):
         ParallelWrapper(nets[-1], master, CPU2, progress=False).fit(batches)
     _close(nets[0].state, nets[1].state)
     assert nets[1].iteration == 12
+
+
+@pytest.mark.parametrize("master", [
+    ParameterAveraging(averaging_frequency=3, save_updater=False, outer_updater=optax.sgd(0.7, momentum=0.9)),
+    ParameterAveraging(averaging_frequency=3),
+    LocalSGD(local_steps=3, outer_updater=optax.sgd(0.7, momentum=0.9))])
+def test_a_rounds_mean_taken_on_the_host_equals_the_psum_inside_the_call(make_net, digits, master):
+    """On CPU devices a round's sum over the replicas is taken on the host between two calls
+    (``MeshExchange.spmd_summed``); elsewhere it is a ``psum`` inside one. Both, here on CPU,
+    end at the same bits (an uneven last round included: 13 minibatches)."""
+    tr, _ = digits
+    batches = tr[:416].batches(32)
+    nets = []
+    for fuse in (True, False):
+        nets.append(make_net(updater=optax.adam(1e-2)))
+        wrapper = ParallelWrapper(nets[-1], master, CPU2, progress=False)
+        assert wrapper.exchange.fuse_collectives is False  # CPU devices: the host's sum by default
+        wrapper.exchange.fuse_collectives = fuse
+        wrapper.fit(batches)
+    for a, b in zip(jax.tree_util.tree_leaves(nets[0].state), jax.tree_util.tree_leaves(nets[1].state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert nets[1].iteration == 13
 
 
 def test_checkpoint_and_resume_equal_an_uninterrupted_run(make_net, digits, tmp_path):
@@ -472,3 +499,54 @@ def test_a_gradient_sharing_checkpoint_of_either_trainer_resumes_in_the_other(cl
         assert (resumed.iteration, resumed.epoch) == (60, 3), (writer, reader)
         assert sum(s["minibatches"] for s in trainer.last_fit_stats) == 20 - len(done), (writer, reader)
         assert trainer.threshold_state.steps > saved_steps, (writer, reader)  # the thresholds went on
+
+
+_RECURRENT_ROUNDS = '''
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+import dlspark
+
+
+class GRU(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask=None):
+        mask = jnp.ones(x.shape[:2]) if mask is None else mask
+        h = nn.Embed(12, 16)(x.astype(jnp.int32))
+        carry, _ = nn.RNN(nn.GRUCell(32), return_carry=True)(h, seq_lengths=jnp.sum(mask, 1).astype(jnp.int32))
+        return nn.Dense(2)(carry)
+
+
+rng = np.random.default_rng(0)
+mask = (np.arange(24)[None, :] < rng.integers(5, 25, 4800)[:, None]).astype(np.float32)
+x = (rng.integers(1, 12, (4800, 24)) * mask).astype(np.float32)
+data = dlspark.DataSet(x, np.eye(2, dtype=np.float32)[(x[:, 0] > 5).astype(int)], features_mask=mask)
+net = dlspark.Network(dlspark.Model.from_flax(GRU(), x[:1]), loss="softmax_cross_entropy",
+                      updater=optax.adam(3e-3), seed=0)
+master = dlspark.ParameterAveraging(batch_size_per_worker=16, averaging_frequency=50, training_approach="direct",
+                                    outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
+wrapper = dlspark.ParallelWrapper(net, master, progress=False)
+for i in range(20):
+    wrapper.fit(data, epochs=1)
+print("fits", i + 1, "iteration", net.iteration, flush=True)
+'''
+
+
+def test_averaging_a_recurrent_model_over_as_many_devices_as_cores_does_not_stall(tmp_path):
+    """Rounds of 50 fused steps of a GRU and an outer optimizer, two CPU devices: XLA:CPU runs
+    both devices' calls and their loops on a pool of as many threads as cores, where an
+    all-reduce inside the round's call held a thread the other device's loop needed, and XLA
+    aborted the process (4 runs of 4 on a 2-core machine before the sum moved to the host
+    between two calls). Its own process, with XLA's wait cut to 10 s: an abort must not take
+    the test process with it. On a machine with more cores than devices the pool is not
+    exhausted and this passes either way."""
+    script = tmp_path / "rounds.py"
+    script.write_text(_RECURRENT_ROUNDS)
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_collective_call_terminate_timeout_seconds=10 "
+                                     "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fits 20 iteration 6000" in done.stdout, done.stdout

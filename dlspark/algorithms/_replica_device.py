@@ -4,7 +4,8 @@ Rounds are planned by the cluster's planner (device ``i`` where the ``i``-th wor
 stands), each replica fits its minibatches on its own device with the network's
 ``train_step``, then one SPMD call over the mesh does every replica's
 ``contribute``, the mean over the round's contributors (a ``psum`` in float32, then
-one divide: with two devices the cluster's mean bit for bit) and ``finish``.
+one divide: with two devices the cluster's mean bit for bit) and ``finish`` (on CPU
+devices as three calls: :meth:`~dlspark._mesh.MeshExchange.spmd_summed`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,23 @@ __all__ = ["ReplicaDeviceRun"]
 def _finish_function(master, exchange):
     """Every replica's contribution, the mean over the contributors, and its finish, in one call."""
 
-    def local(start, params, carry, contributes, n):
+    def before(start, params, carry, contributes, n):
         start, params, carry, c = first(start), first(params), first(carry), contributes[0]
         contribution, new_carry = master.contribute(start, params, carry)
         # a replica with no minibatch this round adds nothing and keeps its carry
         carry = jax.tree_util.tree_map(lambda a, b: jnp.where(c, a, b), new_carry, carry)
-        wide = jax.tree_util.tree_map(lambda x: jnp.where(c, x.astype(jnp.float32), jnp.float32(0)), contribution)
-        mean = jax.tree_util.tree_map(lambda s: s / n, exchange.psum(wide))
+        wide = [jnp.where(c, x.astype(jnp.float32), jnp.float32(0)) for x in jax.tree_util.tree_leaves(contribution)]
+        return (start, carry, n), wide
+
+    def after(kept, sums):
+        start, carry, n = kept
+        # the contribution's structure, from its shapes (what crossed between the calls is a list)
+        structure = jax.tree_util.tree_structure(jax.eval_shape(master.contribute, start, start, carry)[0])
+        mean = jax.tree_util.tree_unflatten(structure, [s / n for s in sums])
         params, carry = master.finish(start, mean, carry)
         return lead(params), lead(carry)
 
-    return exchange.spmd(local, replicated=(4,))
+    return exchange.spmd_summed(before, after, replicated=(4,))
 
 
 class ReplicaDeviceRun:

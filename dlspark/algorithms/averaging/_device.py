@@ -140,7 +140,7 @@ def _round_function(net, master, exchange, fit: bool):
     (already fitted) only average."""
     tx, run_steps = master.outer_updater, _policy_step(net, stacked=True)
 
-    def local(state, outer, batches, start, epoch, contributes, n):
+    def before(state, outer, batches, start, epoch, contributes, n):
         st, ost = first(state), first(outer)
         losses = oks = jnp.zeros((0,))
         if fit:
@@ -151,21 +151,21 @@ def _round_function(net, master, exchange, fit: bool):
         else:
             start = first(start)
         # in a fitting call every replica has minibatches: all of them contribute
+        parts = exchange.mean_parts(averaged_part(st, master.save_updater), None if fit else contributes[0])
+        return (st, ost, start, losses, oks, n), parts
+
+    def after(kept, sums):
+        st, ost, start, losses, oks, n = kept
+        mean = exchange.mean_of(averaged_part(st, master.save_updater), sums, n)
         # without save_updater each replica keeps its own updater state (reset next round)
-        st = _mean(exchange, st, master.save_updater, None if fit else contributes[0], n)
+        st = mean if master.save_updater else mean.replace(opt_state=st.opt_state)
         if tx is not None:
             params, ost = outer_step(tx, start, st.params, ost)
             st = st.replace(params=params)
         return lead(st), lead(ost), losses[None], oks[None]
 
     # an averaging-only call's state shares buffers with its round-start parameters: no donation
-    return exchange.spmd(local, replicated=(4, 6), donate=(0, 1) if fit else ())
-
-
-def _mean(exchange, state, save_updater, contributes, n):
-    """The round's mean of what a cluster's contributions carry (see ``averaged_part``)."""
-    mean = exchange.mean(averaged_part(state, save_updater), contributes, n)
-    return mean if save_updater else mean.replace(opt_state=state.opt_state)
+    return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
 
 
 def _step_function(net, master, exchange, first_step: bool, donate: bool):
