@@ -164,10 +164,12 @@ def single_fit(task, data, seed, batch=BATCH):
 def make_master(algorithm, options):
     import dlspark
 
-    if algorithm == "averaging":
+    if algorithm in ("averaging", "localsgd"):
         options = dict(options)
         if "outer" in options:
             options["outer_updater"] = OUTERS[options.pop("outer")]()
+        if algorithm == "localsgd":
+            return dlspark.algorithms.LocalSGD(batch_size_per_worker=BATCH, training_approach="direct", **options)
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, training_approach="direct", **options)
     options = dict(options)
     if "band" in options:  # (min_sparsity, max_sparsity) of the adaptive threshold

@@ -88,6 +88,9 @@ OPTIONS = {
     "averaging-f5-nesterov": ("averaging", {"averaging_frequency": 5, "outer": "nesterov"}),
     "averaging-f50-nesterov": ("averaging", {"averaging_frequency": 50, "outer": "nesterov"}),
     "averaging-no-updater": ("averaging", {"save_updater": False}),
+    # LocalSGD: averaging at 50 with the outer step's pseudo-gradient, sent in bfloat16 with
+    # error feedback, each replica's updater state its own (tabled against averaging's defaults)
+    "localsgd-f50-nesterov": ("localsgd", {"local_steps": 50, "outer": "nesterov"}),
     # Adam's learning rate scaled with the workers (n): by sqrt(n), the square-root rule for
     # adaptive updaters at an n times larger batch, or by n, the linear rule
     "averaging-lr-sqrt": ("averaging", {"lr_scale": "sqrt"}),
@@ -598,20 +601,27 @@ def main(argv=None):
             print(table["note"])
 
 
+def against(run: str) -> str:
+    """The run an option is tabled against: its algorithm with defaults, or for LocalSGD (an
+    algorithm without a run of its own here) parameter averaging's."""
+    algorithm = RUNS[run][0]
+    return "averaging" if algorithm == "localsgd" else algorithm
+
+
 def options_table(results):
     """Each option's paired differences (points, by seed) from its algorithm with defaults, at
     the same task and worker count; None where no option was run."""
     rows, means = [], {}
     for name in TASKS:
         for w in sorted({r["workers"] for r in results if r["task"] == name and r["workers"] > 1}):
-            for run, (algorithm, _) in OPTIONS.items():
-                d = paired_points(results, name, run, w, (algorithm, w))
+            for run in OPTIONS:
+                d = paired_points(results, name, run, w, (against(run), w))
                 if d:
                     means.setdefault((run, w), []).append(float(np.mean(d)))
-                    rows.append([name, run, algorithm, w, len(d), *_spread(d)])
+                    rows.append([name, run, against(run), w, len(d), *_spread(d)])
     if not rows:
         return None
-    rows += [["all tasks (mean of the tasks' means)", run, RUNS[run][0], w, "", f"{np.mean(m):+.2f}", "",
+    rows += [["all tasks (mean of the tasks' means)", run, against(run), w, "", f"{np.mean(m):+.2f}", "",
               f"{min(m):+.2f} / {max(m):+.2f} (tasks)"] for (run, w), m in sorted(means.items())]
     return {"title": "Options against their algorithm with defaults (paired points; positive: the option is better)",
             "columns": ["task", "option", "against", "workers", "seeds", "mean", "se", "min / max"], "rows": rows}
