@@ -36,6 +36,29 @@ def first(tree):
     return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
+def _pack(parts) -> tuple:
+    """``parts`` as one flat vector per dtype (so that a host sum moves one array per dtype
+    each way), and the layout that :func:`_unpack` reverses."""
+    groups: dict = {}
+    for i, p in enumerate(parts):
+        groups.setdefault(jnp.result_type(p), []).append(i)
+    vectors = tuple(jnp.concatenate([parts[i].reshape(-1) for i in idx]) for idx in groups.values())
+    shapes = [(i, p.shape, p.size) for i, p in enumerate(parts)]
+    return vectors, (list(groups.values()), shapes)
+
+
+def _unpack(vectors, layout) -> list:
+    groups, shapes = layout
+    out: list = [None] * len(shapes)
+    for vector, idx in zip(vectors, groups):
+        at = 0
+        for i in idx:
+            _, shape, size = shapes[i]
+            out[i] = vector[at:at + size].reshape(shape)
+            at += size
+    return out
+
+
 def lead(tree):
     """The inverse of :func:`first`."""
     return jax.tree_util.tree_map(lambda x: x[None], tree)
@@ -169,12 +192,22 @@ class MeshExchange:
                 return after(kept, self.psum(parts))
 
             return self.spmd(fused, replicated, donate)
-        first_call = self.spmd(lambda *args: lead(before(*args)), replicated, donate)
-        second_call = self.spmd(lambda kept, sums: after(first(kept), first(sums)))
+        layout: dict = {}  # the parts' shapes, dtypes and order, known once ``before`` is traced
+
+        def pre(*args):
+            kept, parts = before(*args)
+            vectors, layout["parts"] = _pack(parts)
+            return lead(kept), lead(vectors)
+
+        def post(kept, vectors):
+            return after(first(kept), _unpack(first(vectors), layout["parts"]))
+
+        first_call = self.spmd(pre, replicated, donate)
+        second_call = self.spmd(post)
 
         def call(*args):
-            kept, parts = first_call(*args)
-            return second_call(kept, self.host_sum(parts))
+            kept, vectors = first_call(*args)
+            return second_call(kept, self.host_sum(vectors))
 
         return call
 
