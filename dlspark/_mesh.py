@@ -235,11 +235,13 @@ class MeshExchange:
         and placed on every device again (``[replica, ...]``)."""
         out = []
         for x in stacked:
-            parts = by_device(x)
-            total = np.array(parts[self.devices[0]], copy=True)
-            for d in self.devices[1:]:
-                np.add(total, parts[d], out=total)
-            out.append(self.put(np.broadcast_to(total, (len(self.devices),) + total.shape[1:])))
+            parts = [np.asarray(p) for p in jax.device_get([by_device(x)[d] for d in self.devices])]
+            total = parts[0] + parts[1] if len(parts) > 1 else parts[0].copy()
+            for p in parts[2:]:
+                np.add(total, p, out=total)
+            # one host array that every device's shard takes (on CPU devices it may share it)
+            out.append(jax.make_array_from_single_device_arrays(
+                x.shape, self.stacked, [jax.device_put(total, d) for d in self.devices]))
         return out
 
     def replica(self, tree, r: int = 0):
