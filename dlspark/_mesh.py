@@ -98,10 +98,10 @@ def is_averaged(x) -> bool:
 class MeshExchange:
     """The exchange between replicas on one process's devices.
 
-    The counterpart of the cluster's peers: the replicas of an SPMD call
-    (:meth:`spmd`) meet in :meth:`mean` and :meth:`psum` inside it, and host code
-    sums one vector per device with :meth:`sum`. No staleness, sync or faults: the
-    devices step together.
+    The counterpart of the cluster's peers: the replicas meet in a sum over the
+    devices between two halves of a call (:meth:`spmd_summed`; :meth:`mean_parts` and
+    :meth:`mean_of` are a mean's halves), and host code sums one vector per device with
+    :meth:`sum`. No staleness, sync or faults: the devices step together.
     """
 
     axis = AXIS
@@ -124,20 +124,12 @@ class MeshExchange:
     def psum(self, x):
         return jax.lax.psum(x, AXIS)
 
-    def mean(self, tree, contributes=None, n=None):
-        """The mean of the contributing replicas' floating leaves, as the cluster's
-        ``average_leaves`` computes it: in at least fp32, a sum then one divide (``n`` an
-        argument: XLA would turn a division by a constant into a multiplication). With two
-        devices the sum has one order, so it is the cluster's mean bit for bit. Integer
-        leaves stay each replica's own. ``contributes``: this replica's flag (one that had
-        no minibatch adds nothing). Inside one SPMD call; :meth:`mean_parts` and
-        :meth:`mean_of` are its halves for :meth:`spmd_summed`."""
-        return self.mean_of(tree, self.psum(self.mean_parts(tree, contributes)), n)
-
     @staticmethod
     def mean_parts(tree, contributes=None) -> list:
-        """What :meth:`mean` sums over the replicas: ``tree``'s floating leaves in at least
-        fp32, zero where this replica does not contribute."""
+        """What a mean over the replicas sums, as the cluster's ``average_leaves`` computes
+        it: ``tree``'s floating leaves in at least fp32, zero where this replica does not
+        contribute (``contributes``: its flag; one that had no minibatch adds nothing).
+        Integer leaves stay each replica's own."""
         wide = [x.astype(jnp.promote_types(x.dtype, jnp.float32))
                 for x in jax.tree_util.tree_leaves(tree) if is_averaged(x)]
         if contributes is not None:
@@ -146,7 +138,10 @@ class MeshExchange:
 
     @staticmethod
     def mean_of(tree, sums, n):
-        """``tree`` with its floating leaves replaced by ``sums`` (of :meth:`mean_parts`) over ``n``."""
+        """``tree`` with its floating leaves replaced by ``sums`` (of :meth:`mean_parts`) over
+        ``n``: one divide (``n`` an argument: XLA would turn a division by a constant into a
+        multiplication), then each leaf's dtype. With the sum in device order, the cluster's
+        mean bit for bit."""
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
         for i, s in zip(floats, sums):
@@ -231,8 +226,8 @@ class MeshExchange:
 
     def host_sum(self, stacked: list) -> list:
         """Each stacked array's sum over the replicas, taken on the host in device order as
-        the cluster's mean adds its contributions (one copy of the first, in-place adds),
-        and placed on every device again (``[replica, ...]``)."""
+        the cluster's mean adds its contributions (the first two added, each next one in
+        place), and placed on every device again (``[replica, ...]``)."""
         out = []
         for x in stacked:
             parts = [np.asarray(p) for p in jax.device_get([by_device(x)[d] for d in self.devices])]

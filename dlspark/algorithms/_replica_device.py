@@ -5,7 +5,8 @@ stands), each replica fits its minibatches on its own device with the network's
 ``train_step``, then one SPMD call over the mesh does every replica's
 ``contribute``, the mean over the round's contributors (a ``psum`` in float32, then
 one divide: with two devices the cluster's mean bit for bit) and ``finish`` (on CPU
-devices as three calls: :meth:`~dlspark._mesh.MeshExchange.spmd_summed`).
+devices two calls and the sum on the host between them:
+:meth:`~dlspark._mesh.MeshExchange.spmd_summed`).
 """
 
 from __future__ import annotations
