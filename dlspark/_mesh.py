@@ -169,9 +169,9 @@ class MeshExchange:
 
     def spmd_summed(self, before, after, replicated=(), donate=()):
         """``before``, a sum over the replicas, then ``after``: one replica's view of
-        ``before(*args)`` returns ``(kept, parts)``, ``parts`` a list of arrays summed over
-        the replicas; ``after(kept, sums)`` returns the call's outputs (per replica, as
-        :meth:`spmd`'s). ``replicated`` and ``donate`` are ``before``'s.
+        ``before(*args)`` returns ``(kept, parts)``, ``parts`` a tree of arrays summed over
+        the replicas; ``after(kept, sums)`` (``sums`` shaped as ``parts``) returns the call's
+        outputs (per replica, as :meth:`spmd`'s). ``replicated`` and ``donate`` are ``before``'s.
 
         With ``fuse_collectives`` the three are one SPMD call, the sum a ``psum``. Without
         it (CPU devices) ``before`` and ``after`` are two calls and the sum is taken on the
@@ -187,15 +187,17 @@ class MeshExchange:
                 return after(kept, self.psum(parts))
 
             return self.spmd(fused, replicated, donate)
-        layout: dict = {}  # the parts' shapes, dtypes and order, known once ``before`` is traced
+        layout: dict = {}  # the parts' structure, shapes and dtypes, known once ``before`` is traced
 
         def pre(*args):
             kept, parts = before(*args)
-            vectors, layout["parts"] = _pack(parts)
+            leaves, layout["tree"] = jax.tree_util.tree_flatten(parts)
+            vectors, layout["parts"] = _pack(leaves)
             return lead(kept), lead(vectors)
 
         def post(kept, vectors):
-            return after(first(kept), _unpack(first(vectors), layout["parts"]))
+            sums = jax.tree_util.tree_unflatten(layout["tree"], _unpack(first(vectors), layout["parts"]))
+            return after(first(kept), sums)
 
         first_call = self.spmd(pre, replicated, donate)
         second_call = self.spmd(post)

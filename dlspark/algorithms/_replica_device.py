@@ -33,14 +33,12 @@ def _finish_function(master, exchange):
         contribution, new_carry = master.contribute(start, params, carry)
         # a replica with no minibatch this round adds nothing and keeps its carry
         carry = jax.tree_util.tree_map(lambda a, b: jnp.where(c, a, b), new_carry, carry)
-        wide = [jnp.where(c, x.astype(jnp.float32), jnp.float32(0)) for x in jax.tree_util.tree_leaves(contribution)]
+        wide = jax.tree_util.tree_map(lambda x: jnp.where(c, x.astype(jnp.float32), jnp.float32(0)), contribution)
         return (start, carry, n), wide
 
     def after(kept, sums):
         start, carry, n = kept
-        # the contribution's structure, from its shapes (what crossed between the calls is a list)
-        structure = jax.tree_util.tree_structure(jax.eval_shape(master.contribute, start, start, carry)[0])
-        mean = jax.tree_util.tree_unflatten(structure, [s / n for s in sums])
+        mean = jax.tree_util.tree_map(lambda s: s / n, sums)
         params, carry = master.finish(start, mean, carry)
         return lead(params), lead(carry)
 
