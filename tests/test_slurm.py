@@ -1,7 +1,7 @@
 """Whole fits on workers that a real single-node SLURM launched (dask-jobqueue's SLURMCluster).
 
 The module starts SLURM with ``.ci/slurm-up.sh`` (munged, slurmctld, slurmd; root needed) and
-stops what it started. Without SLURM installed the tests skip, saying how to install it;
+stops what it started once no other test process uses it. Without SLURM installed the tests skip, saying how to install it;
 with ``DLSPARK_REQUIRE_SLURM=1`` (CI) they fail instead.
 """
 
@@ -32,29 +32,59 @@ def _unavailable(reason):
     pytest.skip(reason)
 
 
+def _slurm_up(command):
+    return subprocess.run(["bash", str(ROOT / ".ci" / "slurm-up.sh"), command], capture_output=True, text=True,
+                          timeout=120)
+
+
 @pytest.fixture(scope="module")
 def slurm():
-    """A running single-node SLURM; its configuration reaches sbatch/scancel through SLURM_CONF."""
+    """A running single-node SLURM; its configuration reaches sbatch/scancel through SLURM_CONF.
+
+    Several test processes (pytest-xdist) may use it at once, each holding a lease (a file named by
+    its pid) while its module runs: the last one out stops the daemons, and only if a test started
+    them. Stopping cancels every job, so one module's end must not stop a SLURM that another
+    process's jobs still run on."""
+    from filelock import FileLock
+
     missing = [t for t in ("munged", "slurmctld", "slurmd", "sbatch", "scancel") if shutil.which(t) is None]
     if missing:
         _unavailable(f"SLURM is not installed ({', '.join(missing)} missing); on Debian as root: {INSTALL}")
     if os.geteuid() != 0:
         _unavailable("starting a test SLURM (munged, slurmctld, slurmd) needs root")
-    up = subprocess.run(["bash", str(ROOT / ".ci" / "slurm-up.sh"), "start"], capture_output=True, text=True,
-                        timeout=120)
-    assert up.returncode == 0, f"SLURM did not start:\n{up.stdout}\n{up.stderr}"
-    facts = dict(line.split("=", 1) for line in up.stdout.splitlines() if "=" in line)
+    home = pathlib.Path(os.environ.get("DLSPARK_SLURM_DIR", "/tmp/dlspark-slurm"))
+    leases, ours = home / "test-leases", home / "started-by-tests"
+    leases.mkdir(parents=True, exist_ok=True)
+    lease = leases / str(os.getpid())
+    with FileLock(str(home / "test-leases.lock")):
+        up = _slurm_up("start")
+        assert up.returncode == 0, f"SLURM did not start:\n{up.stdout}\n{up.stderr}"
+        facts = dict(line.split("=", 1) for line in up.stdout.splitlines() if "=" in line)
+        if facts.get("STARTED"):
+            ours.touch()
+        lease.touch()
     before = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = facts["SLURM_CONF"]
     try:
         yield facts
     finally:
-        if facts.get("STARTED"):
-            subprocess.run(["bash", str(ROOT / ".ci" / "slurm-up.sh"), "stop"], timeout=60)
+        with FileLock(str(home / "test-leases.lock")):
+            lease.unlink(missing_ok=True)
+            if not any(_alive(int(f.name)) for f in leases.iterdir() if f.name.isdigit()) and ours.exists():
+                _slurm_up("stop")
+                ours.unlink(missing_ok=True)
         if before is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = before
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")

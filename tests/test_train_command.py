@@ -50,8 +50,9 @@ def _train(args, capfd):
     capfd.readouterr()
     env = {k: None for k in os.environ if k.startswith("DASK_DLSPARK")}
     result = CliRunner().invoke(main, ["train", *args], env=env)
-    script_out = capfd.readouterr().out
-    assert result.exit_code == 0, (result.output, script_out, result.exception)
+    script = capfd.readouterr()
+    script_out = script.out
+    assert result.exit_code == 0, (result.output, script_out, script.err[-4000:], result.exception)
     # the script's trainer connected to the command's cluster rather than starting its own
     assert "exited with status 0; 1 client(s) of its used this cluster" in result.output
     return result.output, float(re.search(r"test accuracy ([0-9.]+)", script_out).group(1))
