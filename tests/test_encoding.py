@@ -130,6 +130,26 @@ def test_warm_up_holds_the_aimed_sparsity_from_the_first_step(algorithm, aimed, 
     assert after.max() < 1 / 32 and band[0] <= after.mean() <= band[1], after
 
 
+@pytest.mark.parametrize("density", [None, 1e-3])
+def test_a_small_models_warm_up_sends_from_its_first_step(density):
+    # 1,210 parameters (the tests' digits MLP at hidden=16): a sparsity of 1e-3 is one element,
+    # and a message holds at least two. A warm-up that picked the threshold of one element sent
+    # nothing and, with the residual growing under it, went on sending nothing.
+    from dlspark.algorithms.sharing._state import encode_step
+
+    algorithm, post = AdaptiveThreshold(), NoResidualPostProcessing()
+    n = 1210
+    rng = np.random.default_rng(0)
+    update = (1e-2 * rng.choice([-1.0, 1.0], n) * rng.uniform(0.5, 1.0, n)).astype(np.float32)
+    residual, state, counts = np.zeros(n, np.float32), algorithm.init(), []
+    for step in range(1, algorithm.warmup + 1):
+        residual += update
+        encoded, residual = encode_step(algorithm, post, state, residual, encode_scratch(n), step, density=density)
+        state = encoded.tstate
+        counts.append(encoded.count)
+    assert min(counts) >= _encoding.MIN_MESSAGE_ELEMENTS, counts
+
+
 def test_a_fixed_start_as_dl4j_sends_dense_steps_first():
     # DL4J's start (1e-3) below the accumulating residual: the first steps move most elements
     sparsity, _ = _adam_like_steps(AdaptiveThreshold(initial=1e-3))

@@ -33,7 +33,7 @@ from jax.flatten_util import ravel_pytree
 from ..._mesh import FitOutcome, replica_rngs
 from ...distributed._plan import Coordinator
 from ...stats._record import RoundStats, iteration_rows
-from ._encoding import EMPTY, decode_into, encode_scratch
+from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, encode_scratch
 from ._messages import SharingFigures
 from ._dgc import sent_elements, threshold_for_density, warmup_density
 from ._state import SumVectors, add_pieces, encode_step, replica_options, sharing_functions
@@ -293,7 +293,8 @@ class _Replicas:
                 t = ts[i] = self.tstates[i].threshold
             else:  # the sparsity warm-up's threshold; the threshold algorithm waits (as encode_step)
                 t = ts[i] = threshold_for_density(r, self.density)
-            moved[i], self.residuals[i], counts[i] = encode_on_device_jit(r, np.float32(t), min_count=2)
+            moved[i], self.residuals[i], counts[i] = encode_on_device_jit(r, np.float32(t),
+                                                                           min_count=MIN_MESSAGE_ELEMENTS)
             if self.opts.mask_fields:
                 self.sent[i] = moved[i] != 0
         totals = self.rt.exchange.sum(moved)  # over the devices, in XLA

@@ -26,11 +26,15 @@ try:  # optional (``pip install dlspark[fast]``): a compiled scan that reads the
 except ImportError:  # pragma: no cover - the numpy scan below does the same, slower
     numba = None
 
-__all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "Encoded", "threshold_encode", "decode", "decode_into",
-           "empty_message", "message_info", "bitmap_words", "encode_scratch", "scratch_size"]
+__all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "MIN_MESSAGE_ELEMENTS", "Encoded", "threshold_encode", "decode",
+           "decode_into", "empty_message", "message_info", "bitmap_words", "encode_scratch", "scratch_size"]
 
 EMPTY, SPARSE, BITMAP = 0, 1, 2
 HEADER_WORDS = 4
+#: A step that moves fewer elements than this sends an ``EMPTY`` note and keeps them in its
+#: residual (DL4J sends no message of fewer than 2 elements); a threshold picked to send a
+#: number of elements picks at least this many.
+MIN_MESSAGE_ELEMENTS = 2
 
 
 @dataclass(frozen=True)
@@ -131,8 +135,8 @@ def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray 
         :func:`encode_scratch`), to avoid allocating per call.
     min_count : int
         With fewer moved elements than this, nothing moves: the message is
-        ``EMPTY`` and the residual is left as it is (DL4J sends no message of
-        fewer than 2 elements).
+        ``EMPTY`` and the residual is left as it is (the sharing steps pass
+        :data:`MIN_MESSAGE_ELEMENTS`).
     """
     r = np.asarray(residual)
     if r.ndim != 1 or r.dtype != np.float32:

@@ -21,7 +21,7 @@ from jax.flatten_util import ravel_pytree
 from ... import config
 from ._dgc import find_momentum, local_clip_norm, mask_momentum, sent_elements, threshold_for_density
 from ._dgc import warmup_density
-from ._encoding import EMPTY, decode_into, empty_message, encode_scratch, threshold_encode
+from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, empty_message, encode_scratch, threshold_encode
 from ._thresholds import ThresholdState
 from ._xla import sparsity_of
 
@@ -167,7 +167,7 @@ def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: in
         t = tstate.threshold
     else:
         t = threshold_for_density(residual, density)
-    enc = threshold_encode(residual, t, out=residual, scratch=scratch, min_count=2)
+    enc = threshold_encode(residual, t, out=residual, scratch=scratch, min_count=MIN_MESSAGE_ELEMENTS)
     residual = post.update(residual, t, iteration)
     sparsity = sparsity_of(enc.count, residual.size)
     after = tstate if density is not None else algo.update(tstate, sparsity)
