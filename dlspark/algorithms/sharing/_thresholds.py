@@ -185,9 +185,9 @@ class AdaptiveThreshold(_Threshold):
 
     ``initial=None`` (the default) warms up: for each worker's first ``warmup``
     steps the threshold is the one that sends the band's geometric middle,
-    ``sqrt(min_sparsity * max_sparsity)``, of the elements of its residual
-    (which grows as the residual accumulates), so the band holds from the first
-    step; from there it is steered as above. A number starts there instead and
+    ``sqrt(min_sparsity * max_sparsity)``, of the elements of its residual, and
+    never fewer than a message's 2 (it grows as the residual accumulates), so the
+    band holds from the first step; from there it is steered as above. A number starts there instead and
     steers from the first step, as DL4J does (its documentation's 1e-3;
     ``dlspark.compat.AdaptiveThresholdAlgorithm`` sets it; ``warmup`` is then unused).
     Measured on the digits MLP with Adam(1e-3) and two workers, a start at 1e-4
