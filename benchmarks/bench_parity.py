@@ -175,6 +175,8 @@ def make_master(algorithm, options):
     if "band" in options:  # (min_sparsity, max_sparsity) of the adaptive threshold
         low, high = options.pop("band")
         options["threshold_algorithm"] = dlspark.AdaptiveThreshold(min_sparsity=low, max_sparsity=high)
+    if "halving_steps" in options:  # the adaptive threshold halves or doubles over this many steps
+        options["threshold_algorithm"] = dlspark.AdaptiveThreshold(decay=0.5 ** (1 / options.pop("halving_steps")))
     return dlspark.GradientSharing(batch_size_per_worker=BATCH, training_approach="direct", **options)
 
 

@@ -82,6 +82,8 @@ OPTIONS = {
     "sharing-async": ("sharing", {"max_staleness": 4}),  # DL4J's asynchronous delivery (the default before)
     # a denser adaptive band: 1-5% of the elements a step (the default's is 0.01-1%)
     "sharing-band": ("sharing", {"band": (0.01, 0.05)}),
+    # a slower adaptive threshold: it halves (or doubles) over 100 steps, DL4J's over 20
+    "sharing-decay-100": ("sharing", {"halving_steps": 100}),
     # parameter averaging's settings against its defaults (frequency 5, plain mean, the
     # updater's state averaged): fewer rounds, DiLoCo's outer Nesterov step, the state kept
     "averaging-f20": ("averaging", {"averaging_frequency": 20}),

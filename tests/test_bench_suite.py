@@ -67,6 +67,8 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
             elif k == "band":  # an adaptive threshold's sparsity band
                 t = master.threshold_algorithm
                 assert (t.min_sparsity, t.max_sparsity) == tuple(v), name
+            elif k == "halving_steps":  # an adaptive threshold that halves or doubles over that many steps
+                assert master.threshold_algorithm.decay ** v == pytest.approx(0.5), name
             else:
                 assert getattr(master, k) == (tuple(v) if isinstance(v, list) else v), name
     results = [{"task": "cancer", "run": run, "workers": 2, "seed": s, "value": v}
