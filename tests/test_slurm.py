@@ -1,8 +1,8 @@
 """Whole fits on workers that a real single-node SLURM launched (dask-jobqueue's SLURMCluster).
 
 The module starts SLURM with ``.ci/slurm-up.sh`` (munged, slurmctld, slurmd; root needed) and
-stops what it started once no other test process uses it. Without SLURM installed the tests skip, saying how to install it;
-with ``DLSPARK_REQUIRE_SLURM=1`` (CI) they fail instead.
+stops what it started once no other test process uses it. Without SLURM installed the tests
+skip, saying how to install it; with ``DLSPARK_REQUIRE_SLURM=1`` (CI) they fail instead.
 """
 
 import os

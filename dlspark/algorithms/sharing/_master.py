@@ -44,7 +44,8 @@ class GradientSharing(Algorithm):
         with the :class:`~dlspark.algorithms.ThresholdAlgorithm` protocol's methods.
         How each worker's threshold moves (default: adaptive, sparsity in [1e-4, 1e-2], the
         first 20 thresholds taken from each worker's residual so that they send 1e-3 of
-        its elements, and never fewer than a message's 2; DL4J starts from a fixed 1e-3, ``AdaptiveThreshold(initial=1e-3)``).
+        its elements, and never fewer than a message's 2; DL4J starts from a fixed 1e-3,
+        ``AdaptiveThreshold(initial=1e-3)``).
     residual_post_processor : ResidualPostProcessor
         ResidualClipping, NoResidualPostProcessing, or any object with the
         :class:`~dlspark.algorithms.ResidualPostProcessor` protocol's ``update``.

@@ -187,9 +187,10 @@ class AdaptiveThreshold(_Threshold):
     steps the threshold is the one that sends the band's geometric middle,
     ``sqrt(min_sparsity * max_sparsity)``, of the elements of its residual, and
     never fewer than a message's 2 (it grows as the residual accumulates), so the
-    band holds from the first step; from there it is steered as above. A number starts there instead and
-    steers from the first step, as DL4J does (its documentation's 1e-3;
-    ``dlspark.compat.AdaptiveThresholdAlgorithm`` sets it; ``warmup`` is then unused).
+    band holds from the first step; from there it is steered as above. A number
+    starts there instead and steers from the first step, as DL4J does (its
+    documentation's 1e-3; ``dlspark.compat.AdaptiveThresholdAlgorithm`` sets it;
+    ``warmup`` is then unused).
     Measured on the digits MLP with Adam(1e-3) and two workers, a start at 1e-4
     lies 6x below the first updates' mean magnitude: the first ~95 steps went out
     as dense bitmaps (62-77% of the elements moving, each by only ``±threshold``,
