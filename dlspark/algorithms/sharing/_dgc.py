@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into
+from ._encoding import EMPTY, decode_into, threshold_sending
 
 __all__ = ["MOMENTUM_FIELDS", "DGC_SPARSITY_WARMUP", "find_momentum", "mask_momentum", "sent_elements",
            "local_clip_norm", "warmup_density", "threshold_for_density"]
@@ -167,10 +167,8 @@ def warmup_density(schedule, epoch: int):
 
 def threshold_for_density(residual, density: float) -> np.float32:
     """The threshold that sends ``ceil(density * n)`` elements of ``residual``, and at least a
-    message's minimum (:data:`~._encoding.MIN_MESSAGE_ELEMENTS`): the magnitude of its k-th
+    message's minimum (:func:`~._encoding.threshold_sending`): the magnitude of its k-th
     largest element (ties send more). Positive: an all-zero residual gives the smallest normal
     float32, which sends nothing."""
-    a = np.abs(np.asarray(residual, np.float32))
-    k = min(a.size, max(MIN_MESSAGE_ELEMENTS, math.ceil(density * a.size)))
-    t = np.partition(a, a.size - k)[a.size - k]
-    return np.float32(max(float(t), float(np.finfo(np.float32).tiny)))
+    t = threshold_sending(residual, math.ceil(density * np.size(residual)))
+    return np.float32(max(t, float(np.finfo(np.float32).tiny)))

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - the numpy scan below does the same, sl
     numba = None
 
 __all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "MIN_MESSAGE_ELEMENTS", "Encoded", "threshold_encode", "decode",
-           "decode_into", "empty_message", "message_info", "bitmap_words", "encode_scratch", "scratch_size"]
+           "decode_into", "threshold_sending", "empty_message", "message_info", "bitmap_words", "encode_scratch", "scratch_size"]
 
 EMPTY, SPARSE, BITMAP = 0, 1, 2
 HEADER_WORDS = 4
@@ -115,6 +115,17 @@ def _compiled_scan():
 
 #: The compiled scan, or None: then numpy's abs, compare and flatnonzero find the hits.
 _SCAN = _compiled_scan() if numba is not None else None
+
+
+def threshold_sending(residual, k: int) -> float:
+    """The threshold at which ``k`` elements of ``residual`` move: the magnitude of its k-th
+    largest element (ties move more), ``k`` raised to :data:`MIN_MESSAGE_ELEMENTS` (a threshold
+    that reaches fewer sends nothing) and at most the residual's size; 0.0 when it is empty."""
+    a = np.abs(np.asarray(residual, np.float32).ravel())
+    if not a.size:
+        return 0.0
+    k = min(a.size, max(MIN_MESSAGE_ELEMENTS, k))
+    return float(np.partition(a, a.size - k)[a.size - k])
 
 
 def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray | None = None,

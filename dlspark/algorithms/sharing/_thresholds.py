@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._encoding import MIN_MESSAGE_ELEMENTS
+from ._encoding import threshold_sending
 
 __all__ = ["ThresholdAlgorithm", "ResidualPostProcessor", "ThresholdState", "AdaptiveThreshold", "TargetSparsityThreshold", "FixedThreshold",
            "ResidualClipping", "NoResidualPostProcessing", "DEFAULT_DECAY"]
@@ -124,13 +124,13 @@ def _check_initial(value):
 def quantile_threshold(update: np.ndarray, sparsity: float) -> float:
     """The threshold at which a fraction ``sparsity`` of ``update``'s elements reach it: the
     ``1 - sparsity`` quantile of ``|update|`` (positive), and never fewer elements than a
-    message holds (:data:`~._encoding.MIN_MESSAGE_ELEMENTS`): a threshold that reaches one
+    message holds (:func:`~._encoding.threshold_sending`): a threshold that reaches one
     element of a small model sends nothing, and the warm-up would follow the growing residual
     up, step after step, sending nothing."""
-    a = np.abs(np.asarray(update, np.float32).ravel())
-    k = min(a.size, max(MIN_MESSAGE_ELEMENTS, int(round(sparsity * a.size))))
-    t = float(np.partition(a, a.size - k)[a.size - k]) if a.size else 0.0
+    u = np.asarray(update, np.float32).ravel()  # read once (a device vector crosses to the host here)
+    t = threshold_sending(u, int(round(sparsity * u.size)))
     if not t > 0:  # fewer than k elements moved at all: the smallest that did, or DL4J's 1e-3
+        a = np.abs(u)
         moved = a[a > 0]
         t = float(moved.min()) if moved.size else 1e-3
     return t
