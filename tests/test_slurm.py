@@ -45,6 +45,7 @@ def slurm():
     its pid) while its module runs: the last one out stops the daemons, and only if a test started
     them. Stopping cancels every job, so one module's end must not stop a SLURM that another
     process's jobs still run on."""
+    import psutil
     from filelock import FileLock
 
     missing = [t for t in ("munged", "slurmctld", "slurmd", "sbatch", "scancel") if shutil.which(t) is None]
@@ -70,21 +71,13 @@ def slurm():
     finally:
         with FileLock(str(home / "test-leases.lock")):
             lease.unlink(missing_ok=True)
-            if not any(_alive(int(f.name)) for f in leases.iterdir() if f.name.isdigit()) and ours.exists():
+            if not any(psutil.pid_exists(int(f.name)) for f in leases.iterdir() if f.name.isdigit()) and ours.exists():
                 _slurm_up("stop")
                 ours.unlink(missing_ok=True)
         if before is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = before
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
