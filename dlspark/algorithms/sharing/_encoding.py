@@ -27,7 +27,8 @@ except ImportError:  # pragma: no cover - the numpy scan below does the same, sl
     numba = None
 
 __all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "MIN_MESSAGE_ELEMENTS", "Encoded", "threshold_encode", "decode",
-           "decode_into", "threshold_sending", "empty_message", "message_info", "bitmap_words", "encode_scratch", "scratch_size"]
+           "decode_into", "threshold_sending", "empty_message", "message_info", "bitmap_words", "encode_scratch",
+           "scratch_size"]
 
 EMPTY, SPARSE, BITMAP = 0, 1, 2
 HEADER_WORDS = 4
