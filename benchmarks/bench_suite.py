@@ -102,6 +102,11 @@ OPTIONS = {
     # square-root rule for the n times larger minibatch
     "sharing-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt"}),
     "sharing-lr-sqrt": ("sharing", {"lr_scale": "sqrt"}),  # the other way, against the same defaults
+    # a threshold held fixed at a multiple of the task's Adam rate (an element sent moves by
+    # that much): whether any still threshold trains the regression as one process does
+    "sharing-fixed-0.5lr": ("sharing", {"threshold_lr": 0.5}),
+    "sharing-fixed-lr": ("sharing", {"threshold_lr": 1.0}),
+    "sharing-fixed-2lr": ("sharing", {"threshold_lr": 2.0}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
@@ -349,10 +354,15 @@ def single_fit(task, data, seed, batch=BATCH, lr_factor=1.0):
 
 def run_setup(task, train, seed, run, workers):
     """``(network, master)`` of a distributed run: the run's options go to its master, but for
-    ``lr_scale``, which scales the network's learning rate with the workers."""
+    ``lr_scale``, which scales the network's learning rate with the workers, and
+    ``threshold_lr``, a fixed threshold of that many times the task's learning rate."""
+    import dlspark
+
     algorithm, options = RUNS[run]
     options = dict(options)
     scale = options.pop("lr_scale", None)
+    if "threshold_lr" in options:
+        options["threshold_algorithm"] = dlspark.FixedThreshold(options.pop("threshold_lr") * task.learning_rate)
     net = make_network(task, train, seed, lr_factor=LR_SCALES[scale](workers) if scale else 1.0)
     return net, make_master(algorithm, options)
 

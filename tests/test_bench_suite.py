@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import pytest
 
+import dlspark
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 
 import bench_suite  # noqa: E402
@@ -69,6 +71,8 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert (t.min_sparsity, t.max_sparsity) == tuple(v), name
             elif k == "halving_steps":  # an adaptive threshold that halves or doubles over that many steps
                 assert master.threshold_algorithm.decay ** v == pytest.approx(0.5), name
+            elif k == "threshold_lr":  # a fixed threshold of that many times the task's learning rate
+                assert master.threshold_algorithm == dlspark.FixedThreshold(v * task.learning_rate), name
             else:
                 assert getattr(master, k) == (tuple(v) if isinstance(v, list) else v), name
     results = [{"task": "cancer", "run": run, "workers": 2, "seed": s, "value": v}
