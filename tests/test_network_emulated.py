@@ -9,7 +9,9 @@ skip, saying so; with ``DLSPARK_REQUIRE_NETNS=1`` (CI) they fail instead.
 
 import os
 import pathlib
+import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -21,7 +23,7 @@ from distributed import Client
 import dlspark
 from dlspark import DistributedTrainer, GradientSharing, ParameterAveraging
 from dlspark.errors import JobFailedError
-from dlspark.testing import emulated_cluster, leftovers, netns_unavailable, wait_for_workers
+from dlspark.testing import emulated_cluster, leftovers, netns_unavailable, sweep_leftovers, wait_for_workers
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -132,6 +134,30 @@ def test_teardown_leaves_nothing_also_when_the_body_raises():
             raise RuntimeError("in the body")
     assert leftovers(token) == {"namespaces": [], "links": [], "processes": []}
 
+
+_KILLED_HARNESS = """
+import os, signal
+from dlspark.testing import emulated_cluster
+with emulated_cluster(1) as net:
+    print(net.token, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no teardown: what it made stays behind
+"""
+
+
+def test_what_a_killed_harness_left_behind_is_swept_by_the_next():
+    reason = netns_unavailable()
+    if reason:
+        _unavailable(reason)
+    r = subprocess.run([sys.executable, "-c", _KILLED_HARNESS], capture_output=True, text=True, timeout=180)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    token = r.stdout.split()[0]
+    left = leftovers(token)
+    try:
+        assert left["namespaces"] and left["links"] and left["processes"], left  # its scheduler and worker live on
+        assert token in sweep_leftovers()  # what the next harness does first, as it starts
+        assert leftovers(token) == {"namespaces": [], "links": [], "processes": []}
+    finally:
+        dlspark.testing._netcluster._remove(token)  # even where the sweep failed: nothing outlives the test
 
 @pytest.mark.slow
 def test_wire_bytes_on_the_counters_match_what_averaging_reports(net, make_net, digits):

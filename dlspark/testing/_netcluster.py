@@ -39,6 +39,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import psutil
+
 __all__ = ["EmulatedCluster", "Host", "emulated_cluster", "netns_unavailable", "sweep_leftovers", "leftovers",
            "parse_rate", "wait_for_workers", "RATES"]
 
@@ -87,16 +89,6 @@ def parse_rate(rate) -> str | None:
     if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit)", rate):
         raise ValueError(f"rate must be 'unlimited' or a tc rate such as '100mbit', '1gbit', '10gbit', got {rate!r}")
     return rate
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _own_links() -> dict:
@@ -159,7 +151,7 @@ def sweep_leftovers() -> list:
     their teardown); returns the tokens removed."""
     swept = []
     for token, owner in _own_links().items():
-        if owner and not _alive(owner):
+        if owner and not psutil.pid_exists(owner):
             _remove(token)
             swept.append(token)
     return swept
