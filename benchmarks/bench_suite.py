@@ -98,7 +98,8 @@ OPTIONS = {
     "averaging-lr-sqrt": ("averaging", {"lr_scale": "sqrt"}),
     "averaging-lr-linear": ("averaging", {"lr_scale": "linear"}),
     # averaging at 50 with the outer step, Adam's rate scaled with the workers as above
-    "averaging-f50-nesterov-lr-sqrt": ("averaging", {"averaging_frequency": 50, "outer": "nesterov", "lr_scale": "sqrt"}),
+    "averaging-f50-nesterov-lr-sqrt": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
+                                                     "lr_scale": "sqrt"}),
     "averaging-f50-nesterov-lr-linear": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
                                                        "lr_scale": "linear"}),
     # gradient sharing applies the sum of every replica's update, so at n workers Adam moves an

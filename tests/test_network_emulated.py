@@ -159,6 +159,7 @@ def test_what_a_killed_harness_left_behind_is_swept_by_the_next():
     finally:
         dlspark.testing._netcluster._remove(token)  # even where the sweep failed: nothing outlives the test
 
+
 @pytest.mark.slow
 def test_wire_bytes_on_the_counters_match_what_averaging_reports(net, make_net, digits):
     """What crosses the links is what the algorithm needs: without ``save_updater`` a round's
