@@ -112,6 +112,11 @@ OPTIONS = {
     "sharing-fixed-0.5lr": ("sharing", {"threshold_lr": 0.5}),
     "sharing-fixed-lr": ("sharing", {"threshold_lr": 1.0}),
     "sharing-fixed-2lr": ("sharing", {"threshold_lr": 2.0}),
+    # a diagnostic, not a dlspark option: gradient sharing with its encoding taken out (every
+    # element's whole value sent each step, nothing left in the residual), so that each replica
+    # applies the exact sum of every replica's update; it tells what the algorithm's semantics
+    # cost a task apart from what the threshold encoding costs it (wrapper runtime only)
+    "sharing-unencoded": ("sharing", {"unencoded": True}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
@@ -368,8 +373,30 @@ def run_setup(task, train, seed, run, workers):
     scale = options.pop("lr_scale", None)
     if "threshold_lr" in options:
         options["threshold_algorithm"] = dlspark.FixedThreshold(options.pop("threshold_lr") * task.learning_rate)
+    options.pop("unencoded", None)  # the fit's, not the master's (see wrapper_fit)
     net = make_network(task, train, seed, lr_factor=LR_SCALES[scale](workers) if scale else 1.0)
     return net, make_master(algorithm, options)
+
+
+@contextlib.contextmanager
+def _unencoded():
+    """Within: the ParallelWrapper's XLA threshold encoder sends every element's whole value and
+    leaves a zero residual (the diagnostic run ``sharing-unencoded``). A replacement of the
+    library's encoding function for the benchmark's diagnostic alone: dlspark has no such option."""
+    import jax
+    import jax.numpy as jnp
+
+    from dlspark.algorithms.sharing import _device
+
+    def send_everything(residual, threshold, min_count=2):
+        return residual, jnp.zeros_like(residual), jnp.int32(residual.size)
+
+    saved = _device.encode_on_device_jit
+    _device.encode_on_device_jit = jax.jit(send_everything, static_argnames=("min_count",))
+    try:
+        yield
+    finally:
+        _device.encode_on_device_jit = saved
 
 
 def _figures(task, fitted, master, test):
@@ -400,6 +427,11 @@ def wrapper_fit(task, data, seed, run, workers):
 
     train, test = data
     net, master = run_setup(task, train, seed, run, workers)
+    if RUNS[run][1].get("unencoded"):  # every element sent whole: no bytes worth reporting
+        wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False, sharing_encoder="xla")
+        with _unencoded():
+            wrapper.fit(shuffled(train, seed), epochs=task.epochs)
+        return {"value": score(task, net, test), "runtime": "wrapper", "unencoded": True}
     wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False)
     wrapper.fit(shuffled(train, seed), epochs=task.epochs)
     return {**_figures(task, wrapper, master, test), "runtime": "wrapper"}
@@ -511,6 +543,10 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
     if runtime == "wrapper" and lagging:  # a wrapper's devices step in lockstep
         raise SystemExit(f"--runtime wrapper runs gradient sharing's synchronous delivery only; "
                          f"{', '.join(lagging)} deliver late (max_staleness > 0): run them on a cluster")
+    unencoded = [a for a in algorithms if a in RUNS and RUNS[a][1].get("unencoded")]
+    if runtime == "cluster" and unencoded:  # the replaced encoder is the wrapper's
+        raise SystemExit(f"{', '.join(unencoded)} replace the ParallelWrapper's encoder: run them with "
+                         "--runtime wrapper")
     results = _results(out)
     for r in results:  # results at another budget must not be paired with these
         if r["task"] in tasks and r["epochs"] != TASKS[r["task"]].epochs:

@@ -73,6 +73,8 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert master.threshold_algorithm.decay ** v == pytest.approx(0.5), name
             elif k == "threshold_lr":  # a fixed threshold of that many times the task's learning rate
                 assert master.threshold_algorithm == dlspark.FixedThreshold(v * task.learning_rate), name
+            elif k == "unencoded":  # the fit's diagnostic (see the test below); the master is the defaults'
+                assert master == bench_suite.make_master(algorithm, {}), name
             else:
                 assert getattr(master, k) == (tuple(v) if isinstance(v, list) else v), name
     results = [{"task": "cancer", "run": run, "workers": 2, "seed": s, "value": v}
@@ -122,4 +124,33 @@ def test_the_wrapper_runtime_trains_the_clusters_job_to_the_same_bits(client2, t
     # a wrapper's devices step in lockstep: a run that delivers late is refused before any fit
     with pytest.raises(SystemExit, match="sharing-async deliver late"):
         bench_suite.run_grid(["friedman"], [0], [2], ["sharing-async"], str(tmp_path / "s.json"), runtime="wrapper")
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_the_unencoded_diagnostic_sends_every_element_whole_and_only_within_its_fit(tmp_path):
+    # one step on each of two devices: gradient sharing's first messages carry a few of the
+    # elements (its warm-up aims at 1e-3 of them; 43 of 1,058 move here), while the unencoded
+    # run applies both replicas' whole Adam updates, which move every parameter by up to twice
+    # the learning rate
+    task = bench_suite.TASKS["cancer"]
+    train, _ = task.data()
+
+    def moved(unencoded):
+        net, master = bench_suite.run_setup(task, train, 0, "sharing-unencoded" if unencoded else "sharing", 2)
+        before = np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)])
+        wrapper = dlspark.ParallelWrapper(net, master, devices=2, progress=False, sharing_encoder="xla")
+        if unencoded:
+            with bench_suite._unencoded():
+                wrapper.fit(train[:32], epochs=1)
+        else:
+            wrapper.fit(train[:32], epochs=1)
+        return np.abs(np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)]) - before)
+
+    whole = moved(True)
+    assert (whole > 0).mean() > 0.9 and whole.max() == pytest.approx(2 * task.learning_rate, rel=1e-2)
+    encoded = moved(False)  # the library's encoder is back after the diagnostic's fit
+    assert 0 < (encoded > 0).mean() < 0.1
+    # it runs on the wrapper alone: a cluster's workers encode on their own
+    with pytest.raises(SystemExit, match="sharing-unencoded replace the ParallelWrapper's encoder"):
+        bench_suite.run_grid(["cancer"], [0], [2], ["sharing-unencoded"], str(tmp_path / "s.json"))
     assert not (tmp_path / "s.json").exists()
