@@ -117,7 +117,14 @@ OPTIONS = {
     # applies the exact sum of every replica's update; it tells what the algorithm's semantics
     # cost a task apart from what the threshold encoding costs it (wrapper runtime only)
     "sharing-unencoded": ("sharing", {"unencoded": True}),
+    # a prototype, not a dlspark option: gradient sharing where each replica applies its own
+    # whole update at once and only its peers' messages as encoded (the residual still holds
+    # what the peers have not had); the replicas then differ by their residuals, and the fit
+    # ends with the first replica's state (wrapper runtime only)
+    "sharing-own-update": ("sharing", {"own_update": True}),
 }
+#: the diagnostic and prototype runs above that replace a piece of the ParallelWrapper's step
+WRAPPER_ONLY = ("unencoded", "own_update")
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
 RUNS = {**{a: (a, o) for a, o in ALGORITHMS.items()}, **OPTIONS}
@@ -373,7 +380,8 @@ def run_setup(task, train, seed, run, workers):
     scale = options.pop("lr_scale", None)
     if "threshold_lr" in options:
         options["threshold_algorithm"] = dlspark.FixedThreshold(options.pop("threshold_lr") * task.learning_rate)
-    options.pop("unencoded", None)  # the fit's, not the master's (see wrapper_fit)
+    for k in WRAPPER_ONLY:  # the fit's, not the master's (see wrapper_fit)
+        options.pop(k, None)
     net = make_network(task, train, seed, lr_factor=LR_SCALES[scale](workers) if scale else 1.0)
     return net, make_master(algorithm, options)
 
@@ -397,6 +405,40 @@ def _unencoded():
         yield
     finally:
         _device.encode_on_device_jit = saved
+
+
+@contextlib.contextmanager
+def _own_update():
+    """Within: each of the ParallelWrapper's replicas applies its own whole update and its peers'
+    encoded messages, where the library applies every replica's encoded message (the prototype
+    run ``sharing-own-update``). The messages, residuals, thresholds and bytes are the library's."""
+    from dlspark.algorithms.sharing import _device
+
+    encode_xla, encode = _device._Replicas._encode_xla, _device.encode_on_device_jit
+
+    def own_update(self, outs, active):
+        moved = []  # each active replica's message, in the order _encode_xla encodes them
+
+        def recording(residual, threshold, min_count=2):
+            out = encode(residual, threshold, min_count=min_count)
+            moved.append(out[0])
+            return out
+
+        _device.encode_on_device_jit = recording
+        try:
+            totals, sent, ts, sparsities = encode_xla(self, outs, active)
+        finally:
+            _device.encode_on_device_jit = encode
+        totals = list(totals)
+        for m, i in zip(moved, active, strict=True):  # the replica's own message out, its update in
+            totals[i] = totals[i] - m + outs[i][0]
+        return totals, sent, ts, sparsities
+
+    _device._Replicas._encode_xla = own_update
+    try:
+        yield
+    finally:
+        _device._Replicas._encode_xla = encode_xla
 
 
 def _figures(task, fitted, master, test):
@@ -432,6 +474,11 @@ def wrapper_fit(task, data, seed, run, workers):
         with _unencoded():
             wrapper.fit(shuffled(train, seed), epochs=task.epochs)
         return {"value": score(task, net, test), "runtime": "wrapper", "unencoded": True}
+    if RUNS[run][1].get("own_update"):
+        wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False, sharing_encoder="xla")
+        with _own_update():
+            wrapper.fit(shuffled(train, seed), epochs=task.epochs)
+        return {**_figures(task, wrapper, master, test), "runtime": "wrapper", "own_update": True}
     wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False)
     wrapper.fit(shuffled(train, seed), epochs=task.epochs)
     return {**_figures(task, wrapper, master, test), "runtime": "wrapper"}
@@ -543,9 +590,9 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
     if runtime == "wrapper" and lagging:  # a wrapper's devices step in lockstep
         raise SystemExit(f"--runtime wrapper runs gradient sharing's synchronous delivery only; "
                          f"{', '.join(lagging)} deliver late (max_staleness > 0): run them on a cluster")
-    unencoded = [a for a in algorithms if a in RUNS and RUNS[a][1].get("unencoded")]
-    if runtime == "cluster" and unencoded:  # the replaced encoder is the wrapper's
-        raise SystemExit(f"{', '.join(unencoded)} replace the ParallelWrapper's encoder: run them with "
+    replacing = [a for a in algorithms if a in RUNS and any(RUNS[a][1].get(k) for k in WRAPPER_ONLY)]
+    if runtime == "cluster" and replacing:  # the replaced pieces are the wrapper's
+        raise SystemExit(f"{', '.join(replacing)} replace a piece of the ParallelWrapper's step: run them with "
                          "--runtime wrapper")
     results = _results(out)
     for r in results:  # results at another budget must not be paired with these

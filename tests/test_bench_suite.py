@@ -73,7 +73,7 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert master.threshold_algorithm.decay ** v == pytest.approx(0.5), name
             elif k == "threshold_lr":  # a fixed threshold of that many times the task's learning rate
                 assert master.threshold_algorithm == dlspark.FixedThreshold(v * task.learning_rate), name
-            elif k == "unencoded":  # the fit's diagnostic (see the test below); the master is the defaults'
+            elif k in bench_suite.WRAPPER_ONLY:  # the fit's (see the tests below); the master is the defaults'
                 assert master == bench_suite.make_master(algorithm, {}), name
             else:
                 assert getattr(master, k) == (tuple(v) if isinstance(v, list) else v), name
@@ -151,6 +151,33 @@ def test_the_unencoded_diagnostic_sends_every_element_whole_and_only_within_its_
     encoded = moved(False)  # the library's encoder is back after the diagnostic's fit
     assert 0 < (encoded > 0).mean() < 0.1
     # it runs on the wrapper alone: a cluster's workers encode on their own
-    with pytest.raises(SystemExit, match="sharing-unencoded replace the ParallelWrapper's encoder"):
+    with pytest.raises(SystemExit, match="sharing-unencoded replace a piece of the ParallelWrapper's step"):
         bench_suite.run_grid(["cancer"], [0], [2], ["sharing-unencoded"], str(tmp_path / "s.json"))
     assert not (tmp_path / "s.json").exists()
+
+
+def test_the_own_update_prototype_applies_a_replicas_whole_update_and_its_peers_messages():
+    # one step on each of two devices, from the same start and data as the library's step:
+    # the first replica (the network's) moves every parameter by its own Adam step (about the
+    # learning rate) where the library moves only the few elements both messages carry; the
+    # messages, and so the bytes, are the library's
+    task = bench_suite.TASKS["cancer"]
+    train, _ = task.data()
+
+    def step(run):
+        net, master = bench_suite.run_setup(task, train, 0, run, 2)
+        before = np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)])
+        wrapper = dlspark.ParallelWrapper(net, master, devices=2, progress=False, sharing_encoder="xla")
+        if run == "sharing-own-update":
+            with bench_suite._own_update():
+                wrapper.fit(train[:32], epochs=1)
+        else:
+            wrapper.fit(train[:32], epochs=1)
+        after = np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)])
+        return np.abs(after - before), wrapper.communication["bytes_sent"]
+
+    own, own_bytes = step("sharing-own-update")
+    library, library_bytes = step("sharing")  # the library's step is back after the prototype's fit
+    assert (own > 0).mean() > 0.9 and np.median(own) == pytest.approx(task.learning_rate, rel=1e-2)
+    assert 0 < (library > 0).mean() < 0.1
+    assert own_bytes == library_bytes > 0
