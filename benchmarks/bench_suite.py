@@ -123,8 +123,6 @@ OPTIONS = {
     # ends with the first replica's state (wrapper runtime only)
     "sharing-own-update": ("sharing", {"own_update": True}),
 }
-#: the diagnostic and prototype runs above that replace a piece of the ParallelWrapper's step
-WRAPPER_ONLY = ("unencoded", "own_update")
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
 RUNS = {**{a: (a, o) for a, o in ALGORITHMS.items()}, **OPTIONS}
@@ -441,6 +439,16 @@ def _own_update():
         _device._Replicas._encode_xla = encode_xla
 
 
+#: the options of the diagnostic and prototype runs in OPTIONS that replace a piece of the
+#: ParallelWrapper's step, and the context each of their fits runs within
+WRAPPER_ONLY = {"unencoded": _unencoded, "own_update": _own_update}
+
+
+def replaced_piece(run):
+    """The :data:`WRAPPER_ONLY` option ``run`` sets, or None."""
+    return next((k for k in WRAPPER_ONLY if RUNS[run][1].get(k)), None)
+
+
 def _figures(task, fitted, master, test):
     """The task's figure of a fitted trainer or wrapper; for gradient sharing also the bytes
     sent over the whole fit and the dense fp32 bytes the same messages would have taken."""
@@ -469,10 +477,10 @@ def wrapper_fit(task, data, seed, run, workers):
 
     train, test = data
     net, master = run_setup(task, train, seed, run, workers)
-    replaced = next((k for k in WRAPPER_ONLY if RUNS[run][1].get(k)), None)
+    replaced = replaced_piece(run)
     if replaced:  # a piece of the XLA encoder's step replaced for the fit (see WRAPPER_ONLY)
         wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False, sharing_encoder="xla")
-        with {"unencoded": _unencoded, "own_update": _own_update}[replaced]():
+        with WRAPPER_ONLY[replaced]():
             wrapper.fit(shuffled(train, seed), epochs=task.epochs)
         # every element sent whole leaves no bytes worth reporting
         figures = ({"value": score(task, net, test)} if replaced == "unencoded"
@@ -589,7 +597,7 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
     if runtime == "wrapper" and lagging:  # a wrapper's devices step in lockstep
         raise SystemExit(f"--runtime wrapper runs gradient sharing's synchronous delivery only; "
                          f"{', '.join(lagging)} deliver late (max_staleness > 0): run them on a cluster")
-    replacing = [a for a in algorithms if a in RUNS and any(RUNS[a][1].get(k) for k in WRAPPER_ONLY)]
+    replacing = [a for a in algorithms if a in RUNS and replaced_piece(a)]
     if runtime == "cluster" and replacing:  # the replaced pieces are the wrapper's
         raise SystemExit(f"{', '.join(replacing)} replace a piece of the ParallelWrapper's step: run them with "
                          "--runtime wrapper")

@@ -4,6 +4,7 @@ The suite itself (``benchmarks/bench_suite.py``) is a benchmark of hours, not pa
 test run; this keeps its tasks from rotting as the library changes.
 """
 
+import contextlib
 import os
 import sys
 
@@ -127,28 +128,33 @@ def test_the_wrapper_runtime_trains_the_clusters_job_to_the_same_bits(client2, t
     assert not (tmp_path / "s.json").exists()
 
 
+def _one_step(task, run):
+    """One minibatch on each of two devices with the XLA encoder, within the run's replaced piece
+    of the step if it has one: how far each parameter of the first replica (the network's)
+    moved, and the bytes sent."""
+    train, _ = task.data()
+    net, master = bench_suite.run_setup(task, train, 0, run, 2)
+
+    def flat():
+        return np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)])
+
+    before = flat()
+    wrapper = dlspark.ParallelWrapper(net, master, devices=2, progress=False, sharing_encoder="xla")
+    replaced = bench_suite.replaced_piece(run)
+    with bench_suite.WRAPPER_ONLY[replaced]() if replaced else contextlib.nullcontext():
+        wrapper.fit(train[:32], epochs=1)
+    return np.abs(flat() - before), wrapper.communication["bytes_sent"]
+
+
 def test_the_unencoded_diagnostic_sends_every_element_whole_and_only_within_its_fit(tmp_path):
     # one step on each of two devices: gradient sharing's first messages carry a few of the
     # elements (its warm-up aims at 1e-3 of them; 43 of 1,058 move here), while the unencoded
     # run applies both replicas' whole Adam updates, which move every parameter by up to twice
     # the learning rate
     task = bench_suite.TASKS["cancer"]
-    train, _ = task.data()
-
-    def moved(unencoded):
-        net, master = bench_suite.run_setup(task, train, 0, "sharing-unencoded" if unencoded else "sharing", 2)
-        before = np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)])
-        wrapper = dlspark.ParallelWrapper(net, master, devices=2, progress=False, sharing_encoder="xla")
-        if unencoded:
-            with bench_suite._unencoded():
-                wrapper.fit(train[:32], epochs=1)
-        else:
-            wrapper.fit(train[:32], epochs=1)
-        return np.abs(np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)]) - before)
-
-    whole = moved(True)
+    whole, _ = _one_step(task, "sharing-unencoded")
     assert (whole > 0).mean() > 0.9 and whole.max() == pytest.approx(2 * task.learning_rate, rel=1e-2)
-    encoded = moved(False)  # the library's encoder is back after the diagnostic's fit
+    encoded, _ = _one_step(task, "sharing")  # the library's encoder is back after the diagnostic's fit
     assert 0 < (encoded > 0).mean() < 0.1
     # it runs on the wrapper alone: a cluster's workers encode on their own
     with pytest.raises(SystemExit, match="sharing-unencoded replace a piece of the ParallelWrapper's step"):
@@ -162,22 +168,8 @@ def test_the_own_update_prototype_applies_a_replicas_whole_update_and_its_peers_
     # learning rate) where the library moves only the few elements both messages carry; the
     # messages, and so the bytes, are the library's
     task = bench_suite.TASKS["cancer"]
-    train, _ = task.data()
-
-    def step(run):
-        net, master = bench_suite.run_setup(task, train, 0, run, 2)
-        before = np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)])
-        wrapper = dlspark.ParallelWrapper(net, master, devices=2, progress=False, sharing_encoder="xla")
-        if run == "sharing-own-update":
-            with bench_suite._own_update():
-                wrapper.fit(train[:32], epochs=1)
-        else:
-            wrapper.fit(train[:32], epochs=1)
-        after = np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)])
-        return np.abs(after - before), wrapper.communication["bytes_sent"]
-
-    own, own_bytes = step("sharing-own-update")
-    library, library_bytes = step("sharing")  # the library's step is back after the prototype's fit
+    own, own_bytes = _one_step(task, "sharing-own-update")
+    library, library_bytes = _one_step(task, "sharing")  # the library's step is back after the prototype's fit
     assert (own > 0).mean() > 0.9 and np.median(own) == pytest.approx(task.learning_rate, rel=1e-2)
     assert 0 < (library > 0).mean() < 0.1
     assert own_bytes == library_bytes > 0
