@@ -64,6 +64,18 @@ def lead(tree):
     return jax.tree_util.tree_map(lambda x: x[None], tree)
 
 
+def _sum_with_own(m, own):
+    """Row ``i``: ``own[i]`` plus the rows of ``m`` but its ``i``-th, in order."""
+    out = []
+    for i in range(m.shape[0]):
+        acc = own[i]
+        for j in range(m.shape[0]):
+            if j != i:
+                acc = acc + m[j]
+        out.append(acc)
+    return jnp.stack(out)
+
+
 def by_device(x) -> dict:
     """``device -> its shard`` of a sharded array."""
     return {s.device: s.data for s in x.addressable_shards}
@@ -112,6 +124,7 @@ class MeshExchange:
         self.stacked = NamedSharding(self.mesh, P(AXIS))
         self._sum = jax.jit(lambda m: m.sum(0), out_shardings=NamedSharding(self.mesh, P()))
         self._masks: dict = {}
+        self._own_sum = jax.jit(_sum_with_own, out_shardings=self.stacked)
         #: whether :meth:`spmd_summed` compiles its sum into the call around it (see there);
         #: by default everywhere but on CPU devices
         self.fuse_collectives = (self.devices[0].platform != "cpu") if fuse_collectives is None \
@@ -225,6 +238,15 @@ class MeshExchange:
             (len(self.devices),) + per_device[0].shape, self.stacked, [v[None] for v in per_device])
         total = by_device(self._sum(stacked))
         return [total[d] for d in self.devices]
+
+    def sum_with_own(self, per_device, own):
+        """For each device ``i``: ``own[i]`` plus every other device's vector of ``per_device``,
+        added in device order (as a worker adds its peers' messages to its own update), in XLA;
+        each device's vector on that device."""
+        stack = [jax.make_array_from_single_device_arrays((len(self.devices),) + v[0].shape, self.stacked,
+                                                          [x[None] for x in v]) for v in (per_device, own)]
+        rows = by_device(self._own_sum(*stack))
+        return [rows[d][0] for d in self.devices]
 
     def host_sum(self, stacked: list) -> list:
         """Each stacked array's sum over the replicas, taken on the host in device order as

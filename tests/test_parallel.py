@@ -251,47 +251,64 @@ def test_nonfinite_loss_raises_and_leaves_the_network_as_before_the_fit(make_net
 
 
 # -- gradient sharing ------------------------------------------------------------------
-def _sharing_by_hand(net, batches, shares, threshold):
+def _sharing_by_hand(net, batches, shares, threshold, own_update="whole"):
     """Lockstep gradient sharing done in this process with the workers' encoder: the oracle.
-    Step j: device i fits minibatch ``shares[i][j]`` (if its share has one) from the shared
-    parameters, adds its update to its residual, and every replica applies the sum of the
-    decoded messages."""
+    Step j: device i fits minibatch ``shares[i][j]`` (if its share has one) from its replica's
+    parameters and adds its update to its residual; every replica applies the others' decoded
+    messages and its own whole update (``own_update="whole"``), or every decoded message.
+    Returns each replica's parameters and residual."""
     from jax.flatten_util import ravel_pytree
 
     from dlspark.algorithms.sharing._encoding import decode, threshold_encode
 
     flat, unravel = ravel_pytree(net.state.params)
     residuals = [np.zeros(flat.size, np.float32) for _ in shares]
-    params = net.state.params
+    params = [net.state.params for _ in shares]
     for j in range(max(map(len, shares))):
-        total = np.zeros(flat.size, np.float32)
+        messages, updates = {}, {}
         for i, b in [(i, batches[s[j]]) for i, s in enumerate(shares) if j < len(s)]:
-            updates = net.steps.compute_update(net.state.replace(params=params), b.jit_batch()).updates
-            residuals[i] += np.asarray(ravel_pytree(updates)[0])
-            enc = threshold_encode(residuals[i], threshold, out=residuals[i], min_count=2)
-            total += decode(enc.message)
-        params = optax.apply_updates(params, unravel(total))
-    return params
+            u = net.steps.compute_update(net.state.replace(params=params[i]), b.jit_batch()).updates
+            updates[i] = np.asarray(ravel_pytree(u)[0])
+            residuals[i] += updates[i]
+            messages[i] = decode(threshold_encode(residuals[i], threshold, out=residuals[i], min_count=2).message)
+        for i in range(len(shares)):
+            mine = own_update == "whole" and i in updates
+            total = updates[i].copy() if mine else np.zeros(flat.size, np.float32)
+            for k, m in messages.items():
+                if not (mine and k == i):
+                    total += m
+            params[i] = optax.apply_updates(params[i], unravel(total))
+    return params, residuals
 
 
-def test_gradient_sharing_steps_in_lockstep_as_by_hand(make_net, digits):
+@pytest.mark.parametrize("own_update", ["whole", "encoded"])
+def test_gradient_sharing_steps_in_lockstep_as_by_hand(make_net, digits, own_update):
+    from jax.flatten_util import ravel_pytree
+
     from dlspark.algorithms.sharing import FixedThreshold, NoResidualPostProcessing
 
     tr, _ = digits
     batches = tr[:288].batches(32)  # 9 minibatches
     master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=FixedThreshold(3e-3),
-                             residual_post_processor=NoResidualPostProcessing())
+                             residual_post_processor=NoResidualPostProcessing(), own_update=own_update)
     net = make_net(updater=optax.sgd(0.1))
     # one round (16 steps a round by default): the planner deals each device a contiguous share,
     # as it deals a cluster's workers; device 1 idles at the last step
-    expected = _sharing_by_hand(make_net(updater=optax.sgd(0.1)), batches, [[0, 1, 2, 3, 4], [5, 6, 7, 8]], 3e-3)
+    params, residuals = _sharing_by_hand(make_net(updater=optax.sgd(0.1)), batches, [[0, 1, 2, 3, 4], [5, 6, 7, 8]],
+                                         3e-3, own_update)
     wrapper = ParallelWrapper(net, master, CPU2, progress=False, sharing_encoder="host")
     wrapper.fit(batches)
-    _close(net.state.params, expected, rtol=1e-6, atol=1e-7)
+    _close(net.state.params, params[0], rtol=1e-6, atol=1e-7)  # the fit ends with the first replica's
     assert net.iteration == 9 and net.epoch == 1
     comm = wrapper.published["communication"]
     assert 0 < comm["bytes_sent"] < comm["dense_bytes"] / 10
-    assert wrapper.published["replica_divergence"] == 0.0
+    apart = np.abs(ravel_pytree(params[0])[0] - ravel_pytree(params[1])[0]).max()
+    if own_update == "encoded":
+        assert wrapper.published["replica_divergence"] == 0.0 and apart == 0.0
+    else:  # each replica holds its own residual's part of its updates, which the other lacks
+        gap = np.abs(residuals[0] - residuals[1]).max()
+        assert gap > 0 and apart == pytest.approx(gap, rel=1e-3)
+        assert wrapper.published["replica_divergence"] == pytest.approx(apart, rel=1e-3)
 
 
 def test_gradient_sharing_encodes_in_xla_with_the_host_encoders_bits(make_net, digits):
@@ -318,17 +335,24 @@ def test_gradient_sharing_skips_a_non_finite_minibatch_and_keeps_the_replicas_eq
     bad = tr[:128].features.copy()
     bad[40] = np.nan  # the second minibatch: device 1's first
     net = make_net(on_nonfinite="skip")
-    wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=32), CPU2, progress=False)
+    # every replica applies the same messages (own_update="encoded"): equal replicas show that the
+    # skipped minibatch sent nothing and left nothing behind
+    wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=32, own_update="encoded"), CPU2,
+                              progress=False)
     wrapper.fit(DataSet(bad, tr[:128].labels))
     assert net.iteration == 3 and wrapper.published["replica_divergence"] == 0.0
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(net.state.params))
 
 
-def test_a_replica_without_minibatches_reads_the_reused_sum_before_it_is_written_again(make_net, digits, monkeypatch):
+@pytest.mark.parametrize("own_update", ["whole", "encoded"])
+def test_a_replica_without_minibatches_reads_the_reused_sum_before_it_is_written_again(make_net, digits, monkeypatch,
+                                                                                       own_update):
     # The host encoder's decoded sum lives in two reused vectors that the CPU devices read in
-    # place. A replica with no minibatch only adds the sum, and nothing else waits for that
-    # read. To make a late read certain rather than rare, the add is preceded by ~100 ms of
-    # unrelated device work (only the timing is staged; the arithmetic is the real add).
+    # place (one pair for all, or under own_update="whole" one pair per replica). A replica with
+    # no minibatch only adds the sum, and nothing else waits for that read. To make a late read
+    # certain rather than rare, the add is preceded by ~100 ms of unrelated device work (only
+    # the timing is staged; the arithmetic is the real add). The idle replica ends where the
+    # other does, less the other's residual under "whole" (its own updates went in whole).
     import dlspark.algorithms.sharing._device as ps
     from jax.flatten_util import ravel_pytree
 
@@ -349,10 +373,12 @@ def test_a_replica_without_minibatches_reads_the_reused_sum_before_it_is_written
     monkeypatch.setattr(ps, "sharing_functions", slow_add)
     tr, _ = digits
     net = make_net(MLP(hidden=24), updater=optax.sgd(0.1))
-    wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=32), CPU2, progress=False,
-                              sharing_encoder="host")
+    wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=32, own_update=own_update), CPU2,
+                              progress=False, sharing_encoder="host")
     wrapper.fit(tr[:32], epochs=6)  # one minibatch an epoch: the second device only ever adds the sum
-    assert wrapper.published["replica_divergence"] == 0.0
+    held = np.abs(wrapper._runtime.sharing_carry.residuals[0]).max() if own_update == "whole" else 0.0
+    assert held > 0 or own_update == "encoded"
+    assert wrapper.published["replica_divergence"] == pytest.approx(held, rel=1e-5, abs=0)
 
 
 def test_gradient_sharing_checkpoints_the_state_it_reached_and_resumes_the_rest(make_net, digits, tmp_path):

@@ -114,10 +114,12 @@ T = 3e-3
 
 
 def _one_step(make_net, tr, encoder="host", **options):
-    """One lockstep step (one minibatch per device) with a fixed threshold; the network after it."""
+    """One lockstep step (one minibatch per device) with a fixed threshold; the network after it.
+    Every replica applies the step's messages, its own too (``own_update="encoded"``), so that
+    the parameters show what was sent."""
     net = make_net(updater=optax.sgd(0.1, momentum=0.9))
     master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=FixedThreshold(T),
-                             residual_post_processor=NoResidualPostProcessing(), **options)
+                             residual_post_processor=NoResidualPostProcessing(), own_update="encoded", **options)
     wrapper = ParallelWrapper(net, master, CPU2, progress=False, sharing_encoder=encoder)
     wrapper.fit(tr[:64].batches(32))
     return net, wrapper
@@ -157,7 +159,7 @@ def test_the_sparsity_warmup_on_two_devices_sends_its_fraction_then_the_threshol
     net = make_net()
     # a threshold no update reaches: after the warm-up's one epoch nothing is sent
     master = GradientSharing(batch_size_per_worker=16, steps_per_round=4, threshold_algorithm=FixedThreshold(10.0),
-                             sparsity_warmup=(0.01,))
+                             sparsity_warmup=(0.01,), own_update="encoded")  # replicas equal: see the end
     wrapper = ParallelWrapper(net, master, CPU2, progress=False)
     wrapper.fit(tr[:256], epochs=2)
     rows = wrapper.last_fit_stats
@@ -171,3 +173,27 @@ def test_the_sparsity_warmup_on_two_devices_sends_its_fraction_then_the_threshol
     for r in after:
         assert r["sparsity"] == 0.0 and all(t == 10.0 for t in r["threshold"].values())
     assert wrapper.published["replica_divergence"] == 0.0
+
+
+@pytest.mark.parametrize("encoder", ["host", "xla"])
+def test_own_update_whole_keeps_the_replicas_apart_by_exactly_their_residuals(make_net, digits, encoder):
+    # own_update="whole" (the default): each replica applies its own update whole and its peer's
+    # encoded message, so its parameters hold its residual, which its peer lacks; what the clip
+    # (every step here, at 1.5 thresholds, of a threshold a fifth of Adam's rate: it drops much)
+    # drops from a residual is taken out of that replica's parameters too, so that parameters
+    # minus residual stay the same on both replicas.
+    from dlspark.algorithms.sharing import ResidualClipping
+
+    tr, _ = digits
+    net = make_net()
+    master = GradientSharing(batch_size_per_worker=16, steps_per_round=4, threshold_algorithm=FixedThreshold(2e-3),
+                             residual_post_processor=ResidualClipping(1.5, 1))
+    wrapper = ParallelWrapper(net, master, CPU2, progress=False, sharing_encoder=encoder)
+    wrapper.fit(tr[:512], epochs=2)
+    carry = wrapper._runtime.sharing_carry  # what each replica takes into a next fit
+    params = [np.asarray(ravel_pytree(p)[0]) for p in carry.params]
+    residuals = [np.asarray(r) for r in carry.residuals]
+    apart = np.abs(params[0] - params[1]).max()
+    assert apart > 1e-3 and wrapper.replica_divergence == pytest.approx(apart)
+    np.testing.assert_allclose(params[0] - residuals[0], params[1] - residuals[1], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(params[0], ravel_pytree(net.state.params)[0])  # the fit ends with replica 0

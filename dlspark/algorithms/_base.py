@@ -191,6 +191,11 @@ class Algorithm(abc.ABC):
         client's state."""
         return False
 
+    def replica_fields(self) -> tuple:
+        """The train state's fields (paths under it, such as ``".opt_state"``) that each
+        replica keeps as its own into such a fit (``replicas_continue``)."""
+        return (".opt_state",)
+
     def compare_replicas(self) -> bool:
         """Whether replicas may end apart (then the trainer measures ``replica_divergence``)."""
         return False

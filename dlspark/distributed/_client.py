@@ -119,11 +119,12 @@ async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: di
 
 def replica_arrays(master, state: dict) -> list:
     """Indices of ``state``'s arrays (``state_to_arrays``) that each replica keeps as its own from
-    fit to fit under ``master``: the updater state's, for an algorithm whose replicas each run
-    their own updater and go on where they stopped (``replicas_continue``); else none."""
+    fit to fit under ``master``: those of its ``replica_fields`` (the updater state's, for an
+    algorithm whose replicas each run their own updater), for an algorithm whose replicas go on
+    where they stopped (``replicas_continue``); else none."""
     if not master.replicas_continue():
         return []
-    return _leaves_under(state, ".opt_state")
+    return sorted({i for field in master.replica_fields() for i in _leaves_under(state, field)})
 
 
 def _leaves_under(state: dict, field: str) -> list:

@@ -9,8 +9,10 @@ many workers. The replicas step in lockstep: at a round's step ``j`` device ``i`
 fits the ``j``-th minibatch of its share and runs the workers' own step (:func:`~._state.encode_step`: the
 update added to the residual, the part that crossed the threshold taken out as a
 message, the post-processor, the threshold's update), and every replica applies
-the sum of all devices' messages, so that the parameters stay equal. This is
-synchronous delivery: the cluster's staleness, sync and faults do not arise.
+the other devices' messages with its own whole update (``own_update="whole"``), or
+the sum of all devices' messages (``"encoded"``, so that the parameters stay equal),
+as a worker does. This is synchronous delivery: the cluster's staleness, sync and
+faults do not arise.
 
 Two encoders, the same bits: ``"host"`` runs the workers' encoder on the host
 (faster on XLA's CPU backend, where the devices are the host's cores), ``"xla"``
@@ -36,7 +38,7 @@ from ...stats._record import RoundStats, iteration_rows
 from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, encode_scratch
 from ._messages import SharingFigures
 from ._dgc import sent_elements, threshold_for_density, warmup_density
-from ._state import SumVectors, add_pieces, encode_step, replica_options, sharing_functions
+from ._state import SumVectors, add_dropped, add_pieces, encode_step, post_acts, replica_options, sharing_functions
 from ._thresholds import senders, threshold_meta
 from ._xla import encode_on_device_jit, message_bytes, sparsity_of
 
@@ -131,7 +133,7 @@ def _loader(runtime, refs, rounds, depth):
 class _Carry(NamedTuple):
     """What each replica takes into the next fit when that fit starts from the state this
     one ended with (``GradientSharing.continue_replicas``): its updater state, residual,
-    threshold state and message count. ``state`` is the network's state the fit set (the
+    threshold state and message count, and its parameters where they are its own. ``state`` is the network's state the fit set (the
     next fit goes on only if the network's state holds the same bits)."""
 
     state: object
@@ -141,6 +143,7 @@ class _Carry(NamedTuple):
     residuals: list
     tstates: list
     steps: list
+    params: list  # each replica's own parameters (own_update="whole"), else None
 
 
 def _continuation(runtime, encoder, resuming) -> _Carry | None:
@@ -174,6 +177,7 @@ class _Replicas:
         self.devices = runtime.devices
         self.encoder = encoder
         self.algo, self.post = master.threshold_algorithm, master.residual_post_processor
+        self.own_whole = master.own_update == "whole"
         self.n = int(ravel_pytree(net.state.params)[0].size)
         fns = sharing_functions(net)
         self.apply_flat, self.add_flat = fns.apply_flat, fns.add_flat
@@ -200,18 +204,22 @@ class _Replicas:
             # it. A replica that trained in the step between read back that step's update, which
             # waits for the apply before it; an idle replica's add is waited for in its own step.
             self.totals = SumVectors(self.n)
+            if self.own_whole:  # each replica's own sum (its update and its peers' messages)
+                self.own_totals = [SumVectors(self.n) for _ in self.devices]
         else:
             self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
             self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
         if carry is not None:  # each replica goes on where it stopped; replica 0's state is the network's
-            self.states = [s if i == 0 else s.replace(opt_state=carry.opt_states[i])
-                           for i, s in enumerate(self.states)]
+            self.states = [s if i == 0 else s.replace(opt_state=carry.opt_states[i]) for i, s in enumerate(self.states)]
+            if carry.params is not None:
+                self.states = [s if i == 0 else s.replace(params=carry.params[i]) for i, s in enumerate(self.states)]
             self.residuals, self.tstates, self.steps = list(carry.residuals), list(carry.tstates), list(carry.steps)
 
     def carry(self, final) -> _Carry:
         """What the next fit takes if it starts from ``final`` (see :class:`_Carry`)."""
         return _Carry(final, self.master, self.encoder, [s.opt_state for s in self.states], list(self.residuals),
-                      list(self.tstates), list(self.steps))
+                      list(self.tstates), list(self.steps),
+                      [s.params for s in self.states] if self.own_whole else None)
 
     def close(self):
         pool = getattr(self, "pool", None)
@@ -264,7 +272,7 @@ class _Replicas:
         add_pieces(self.residuals[i], update)
         self.steps[i] += 1
         enc, self.residuals[i] = encode_step(self.algo, self.post, self.tstates[i], self.residuals[i],
-                                             self.scratch[i], self.steps[i], self.density)
+                                             self.scratch[i], self.steps[i], self.density, keep_dropped=self.own_whole)
         self.tstates[i] = enc.tstate
         if self.opts.mask_fields:
             self.sent[i] = sent_elements(enc.message, self.n)
@@ -275,17 +283,34 @@ class _Replicas:
             done = list(self.pool.map(lambda i: self._encode_one(i, outs[i][0]), active))
         else:
             done = [self._encode_one(i, outs[i][0]) for i in active]
+        sent = sum(int(enc.message.nbytes) for enc in done) * (len(self.devices) - 1)
+        figures = (sent, [e.threshold for e in done], [e.sparsity for e in done])
+        if self.own_whole:
+            return (self._own_sums(outs, dict(zip(active, done))), *figures)
         total = self.totals.take()
-        sent = 0
         for enc in done:  # summed in replica order: the same bits as one thread
             if enc.message[0] != EMPTY:
                 decode_into(enc.message, total)
-            sent += int(enc.message.nbytes) * (len(self.devices) - 1)
-        return ([jax.device_put(total, d) for d in self.devices], sent, [e.threshold for e in done],
-                [e.sparsity for e in done])
+        return ([jax.device_put(total, d) for d in self.devices], *figures)
+
+    def _own_sums(self, outs, encoded):
+        """Each replica's sum of a step (host encoder, ``own_update="whole"``): its own whole
+        update (if it trained), then the others' messages in replica order, as a worker adds
+        them."""
+        def one(i):
+            total = self.own_totals[i].take()
+            if i in encoded:
+                add_dropped(add_pieces(total, outs[i][0]), encoded[i])
+            for j, enc in encoded.items():
+                if j != i and enc.message[0] != EMPTY:
+                    decode_into(enc.message, total)
+            return jax.device_put(total, self.devices[i])
+
+        return list(self.pool.map(one, range(len(self.devices))))
 
     def _encode_xla(self, outs, active):
         moved, counts, ts = list(self.zeros), {}, {}
+        own = [self.zeros[i] if o is None else o[0] for i, o in enumerate(outs)]  # own_update="whole"
         for i in active:
             r = self.residuals[i] + outs[i][0]
             if self.density is None:
@@ -293,28 +318,34 @@ class _Replicas:
                 t = ts[i] = self.tstates[i].threshold
             else:  # the sparsity warm-up's threshold; the threshold algorithm waits (as encode_step)
                 t = ts[i] = threshold_for_density(r, self.density)
-            moved[i], self.residuals[i], counts[i] = encode_on_device_jit(r, np.float32(t),
-                                                                           min_count=MIN_MESSAGE_ELEMENTS)
+            moved[i], encoded, counts[i] = encode_on_device_jit(r, np.float32(t), min_count=MIN_MESSAGE_ELEMENTS)
             if self.opts.mask_fields:
                 self.sent[i] = moved[i] != 0
-        totals = self.rt.exchange.sum(moved)  # over the devices, in XLA
+            self.steps[i] += 1
+            self.residuals[i] = self._post(encoded, t, i)
+            if self.own_whole and post_acts(self.post, self.steps[i]):  # what it dropped, dropped here too
+                own[i] = own[i] + (self.residuals[i] - encoded)
+        if self.own_whole:  # each replica's own update, then the others' messages, in XLA
+            totals = self.rt.exchange.sum_with_own(moved, own)
+        else:
+            totals = self.rt.exchange.sum(moved)  # over the devices, in XLA
         counts = dict(zip(counts, (int(c) for c in jax.device_get(list(counts.values())))))
         sent, sparsities = 0, []
         for i in active:
-            t = ts[i]
-            self.steps[i] += 1
             sent += message_bytes(counts[i], self.n) * (len(self.devices) - 1)
-            on_device = getattr(self.post, "update_on_device", None)
-            if on_device is not None:
-                self.residuals[i] = on_device(self.residuals[i], t, self.steps[i])
-            else:  # a post-processor of host arrays only: the residual makes the round trip
-                host = np.array(self.residuals[i])
-                self.residuals[i] = jax.device_put(self.post.update(host, t, self.steps[i]), self.devices[i])
             sparsity = sparsity_of(counts[i], self.n)
             if self.density is None:
                 self.tstates[i] = self.algo.update(self.tstates[i], sparsity)
             sparsities.append(sparsity)
         return totals, sent, [float(ts[i]) for i in active], sparsities
+
+    def _post(self, residual, t, i):
+        """Replica ``i``'s residual after the post-processor (on the device where it can)."""
+        on_device = getattr(self.post, "update_on_device", None)
+        if on_device is not None:
+            return on_device(residual, t, self.steps[i])
+        host = np.array(residual)  # a post-processor of host arrays only: the residual makes the round trip
+        return jax.device_put(self.post.update(host, t, self.steps[i]), self.devices[i])
 
     def carried_states(self):
         return senders(self.tstates, self.steps)

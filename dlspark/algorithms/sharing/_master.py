@@ -11,9 +11,10 @@ from ._device import SharingDeviceRun
 from ._dgc import DGC_SPARSITY_WARMUP, MOMENTUM_FIELDS
 from ._thresholds import AdaptiveThreshold, ResidualClipping, ResidualPostProcessor, ThresholdAlgorithm
 
-__all__ = ["GradientSharing", "MESHES"]
+__all__ = ["GradientSharing", "MESHES", "OWN_UPDATES"]
 
 MESHES = ("plain", "tree")
+OWN_UPDATES = ("whole", "encoded")
 
 
 def _default_threshold():
@@ -31,8 +32,8 @@ class GradientSharing(Algorithm):
     Each worker turns every minibatch's gradient into an update through the
     optax updater, adds it to its residual, and sends the part of the residual
     that crossed the threshold, quantized to ``±threshold``, to every peer.
-    Every replica applies its own quantized updates and every peer's, never
-    its raw update, so all replicas apply the same sums.
+    Every replica applies its peers' quantized updates and, by default, its own
+    whole update (``own_update``).
 
     Parameters
     ----------
@@ -107,16 +108,31 @@ class GradientSharing(Algorithm):
         from its own initial state when the warm-up ends. DGC's is
         ``GradientSharing.DGC_SPARSITY_WARMUP``, ``(0.25, 0.0625, 0.015625,
         0.00390625)``. Empty (the default): none.
+    own_update : {"whole", "encoded"}
+        How a replica applies its own update. ``"whole"`` (the default): at once and
+        whole, beside its peers' encoded messages; what its residual holds (the part
+        its peers have not had yet, and whatever residual clipping dropped) is then in
+        its own parameters only, so the replicas differ by about their residuals'
+        size (``replica_divergence`` reports it) and a fit ends with the first
+        replica's parameters. ``"encoded"``: DL4J's, every replica applies every
+        replica's encoded message, its own included, so all apply the same sums and
+        end equal (to the order of float additions; with two workers, the same bits).
+        On the parity suite (``docs/benchmarks/parity-suite.md``, 10 seeds, points
+        against one process), ``"whole"`` took the suite's average from -15.1 to
+        -0.4 at 2 workers and from -4.5 to -1.7 at 4: the encoded own update holds a
+        replica back by its residual, which on a small regression made training
+        diverge. It costs nothing on the wire: the messages are the same.
     continue_replicas : bool
         A fit that starts from exactly the state the last fit ended with (the
         network's state untouched in between, checked bit for bit) continues each
         replica where it stopped: its own updater state, its residual (the part of
-        its updates not sent yet), its threshold and its count of messages, so that
-        fitting an epoch at a time trains as one longer fit does. True (the
-        default). With False, or when the state was changed, restored or resumed,
-        every replica starts from the network's state with an empty residual, as a
-        first fit does; the mass held in the residuals is then dropped. On a
-        cluster the replicas that continue are also not sent the updater state.
+        its updates not sent yet), its threshold and its count of messages, and
+        under ``own_update="whole"`` its own parameters, so that fitting an epoch
+        at a time trains as one longer fit does. True (the default). With False, or
+        when the state was changed, restored or resumed, every replica starts from
+        the network's state with an empty residual, as a first fit does; the mass
+        held in the residuals is then dropped. On a cluster the replicas that
+        continue are also not sent what they keep of their own.
 
     Examples
     --------
@@ -140,6 +156,7 @@ class GradientSharing(Algorithm):
     local_gradient_clipping: float | None = None
     sparsity_warmup: tuple = ()
     continue_replicas: bool = True
+    own_update: str = "whole"
 
     name = "sharing"
     DGC_SPARSITY_WARMUP = DGC_SPARSITY_WARMUP
@@ -147,6 +164,7 @@ class GradientSharing(Algorithm):
     def __post_init__(self):
         super().__post_init__()
         choice("mesh", self.mesh, MESHES)
+        choice("own_update", self.own_update, OWN_UPDATES)
         int_setting(self, "steps_per_round")
         int_setting(self, "max_staleness", minimum=0)
         int_setting(self, "tree_fanout")
@@ -247,7 +265,13 @@ class GradientSharing(Algorithm):
     def replicas_continue(self) -> bool:
         return self.continue_replicas
 
+    def replica_fields(self) -> tuple:
+        """Under ``own_update="whole"`` a replica's parameters are its own too (they hold its
+        residual's part of its updates, which its peers have not had)."""
+        return (".opt_state", ".params") if self.own_update == "whole" else (".opt_state",)
+
     def compare_replicas(self) -> bool:
-        """Every replica applied the same messages; they differ only by the order of float
-        additions: the trainer reports how far apart they ended (``replica_divergence``)."""
+        """The replicas differ by the order of float additions (``own_update="encoded"``) or by
+        their residuals (``"whole"``): the trainer reports how far apart they ended
+        (``replica_divergence``)."""
         return True

@@ -25,7 +25,7 @@ from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, empty_message, 
 from ._thresholds import ThresholdState
 from ._xla import sparsity_of
 
-__all__ = ["SharingState", "Encoded", "encode_step", "SumVectors", "add_pieces", "sharing_functions", "ReplicaOptions",
+__all__ = ["SharingState", "Encoded", "encode_step", "add_dropped", "post_acts", "SumVectors", "add_pieces", "sharing_functions", "ReplicaOptions",
            "replica_options"]
 
 def _aligned_zeros(n):
@@ -148,9 +148,25 @@ class Encoded:
     count: int  # elements moved
     sparsity: float  # what the threshold algorithm was told
     tstate: object  # the threshold state after the step
+    dropped: np.ndarray | None = None  # the post-processor's change to the residual (when asked and it acted)
 
 
-def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: int, density=None) -> tuple:
+def post_acts(post, iteration: int) -> bool:
+    """Whether residual post-processor ``post`` may change the residual at ``iteration``."""
+    acts = getattr(post, "acts_at", None)
+    return True if acts is None else bool(acts(iteration))
+
+
+def add_dropped(total, enc: Encoded):
+    """``total`` (a replica's sum of a step) with what its post-processor took out of its residual
+    taken out too (``own_update="whole"``: its own update went into its parameters whole)."""
+    if enc.dropped is not None:
+        np.add(total, enc.dropped, out=total)
+    return total
+
+
+def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: int, density=None,
+                keep_dropped=False) -> tuple:
     """A replica's encode of one step, on either runtime, after its update was added to its
     ``residual``: the threshold (``prepare``), the message of what crossed it (taken out of
     the residual, in place; fewer than 2 elements send an EMPTY note), the post-processor
@@ -161,17 +177,22 @@ def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: in
     ``density`` (a sparsity warm-up's fraction for this epoch, see
     :func:`~._dgc.warmup_density`): the threshold is the one that sends that fraction of
     the residual instead, and the threshold algorithm's state is left as it was, so that
-    it starts (with its own warm-up) when the sparsity warm-up ends."""
+    it starts (with its own warm-up) when the sparsity warm-up ends.
+
+    ``keep_dropped``: the post-processor's change to the residual (after minus before) comes
+    back as ``Encoded.dropped`` where it may have acted (:func:`post_acts`), else None."""
     if density is None:
         tstate = algo.prepare(tstate, residual)
         t = tstate.threshold
     else:
         t = threshold_for_density(residual, density)
     enc = threshold_encode(residual, t, out=residual, scratch=scratch, min_count=MIN_MESSAGE_ELEMENTS)
+    before = residual.copy() if keep_dropped and post_acts(post, iteration) else None
     residual = post.update(residual, t, iteration)
+    dropped = None if before is None else np.subtract(residual, before, out=before)
     sparsity = sparsity_of(enc.count, residual.size)
     after = tstate if density is not None else algo.update(tstate, sparsity)
-    return Encoded(enc.message, float(t), enc.count, sparsity, after), residual
+    return Encoded(enc.message, float(t), enc.count, sparsity, after, dropped), residual
 
 
 class ReplicaOptions(NamedTuple):
@@ -208,6 +229,7 @@ class SharingState:
         self.algo = master.threshold_algorithm
         self.post = master.residual_post_processor
         self.debug = master.encoding_debug
+        self.own_whole = master.own_update == "whole"
         flat = ravel_pytree(job.state.params)[0]
         self.n = int(flat.size)
         self.residual = np.zeros(self.n, np.float32)
@@ -377,10 +399,12 @@ class SharingState:
                 nbytes += message.nbytes * len(peers)
                 continue
             state = state.replace(opt_state=opt, model_state=ms, rng=rng)
+            if self.own_whole and not self.in_place:  # read twice: fetched from the device once
+                pieces = jax.device_get(pieces)
             add_pieces(self.residual, pieces)
             self.step += 1
             enc, self.residual = encode_step(self.algo, self.post, self.tstate, self.residual, self.scratch,
-                                             self.iteration_base + self.step, density)
+                                             self.iteration_base + self.step, density, keep_dropped=self.own_whole)
             t, message = enc.threshold, enc.message
             if opts.mask_fields:
                 state = state.replace(opt_state=self.mask_momentum(state.opt_state, sent_elements(message, self.n),
@@ -389,7 +413,9 @@ class SharingState:
                 rec.mark("encode", step=self.step, threshold=float(t), sparsity=enc.count / self.n,
                          bytes=int(message.nbytes))
             total = self.totals.take()
-            if message[0] != EMPTY:
+            if self.own_whole:  # its own update whole (the residual keeps what its peers lack)
+                add_dropped(add_pieces(total, pieces), enc)
+            elif message[0] != EMPTY:
                 decode_into(message, total)
             self._publish(message, send)
             rec.mark("send")

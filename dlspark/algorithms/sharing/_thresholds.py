@@ -68,7 +68,11 @@ class ResidualPostProcessor(Protocol):
 
     A post-processor may also provide ``update_on_device(residual, threshold, iteration)``,
     the same on a device array (jax.numpy); without it the device encoder reads the
-    residual back to the host for ``update``.
+    residual back to the host for ``update``. And ``acts_at(iteration) -> bool``: whether
+    ``update`` may change the residual at that iteration (without it, any iteration may);
+    under ``GradientSharing(own_update="whole")`` a replica takes what ``update`` dropped out
+    of its own parameters too, and at the iterations where it does not act nothing is copied
+    to find that.
     """
 
     def update(self, residual: np.ndarray, threshold: float, iteration: int) -> np.ndarray: ...
@@ -278,6 +282,9 @@ class ResidualClipping:
         if isinstance(self.frequency, bool) or not isinstance(self.frequency, int) or self.frequency < 1:
             raise ValueError(f"frequency must be an integer >= 1, got {self.frequency!r}")
 
+    def acts_at(self, iteration: int) -> bool:
+        return iteration % self.frequency == 0
+
     def update(self, residual: np.ndarray, threshold: float, iteration: int) -> np.ndarray:
         if iteration % self.frequency == 0:
             lim = np.float32(self.threshold_multiple * threshold)
@@ -294,6 +301,9 @@ class ResidualClipping:
 @dataclass(frozen=True)
 class NoResidualPostProcessing:
     """Leave the residual as it is."""
+
+    def acts_at(self, iteration: int) -> bool:
+        return False
 
     def update(self, residual: np.ndarray, threshold: float, iteration: int) -> np.ndarray:
         return residual
