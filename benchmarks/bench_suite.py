@@ -72,18 +72,25 @@ from bench_parity import BATCH, _load, _save, make_master, shuffled  # noqa: E40
 SEEDS = tuple(range(10))
 #: algorithm -> options: the defaults as shipped (no option is set here)
 ALGORITHMS = {"averaging": {}, "sharing": {}}
+#: gradient sharing's former default (DL4J's: each replica applies its own encoded messages)
+ENCODED = {"own_update": "encoded"}
 #: options measured against the defaults (run name -> (algorithm, its options)); not part of
 #: the default grid: name them in --algorithms (each is tabled against its algorithm with defaults)
 OPTIONS = {
-    "sharing-masking": ("sharing", {"momentum_masking": True}),
-    "sharing-clipping": ("sharing", {"local_gradient_clipping": 1.0}),
-    "sharing-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
-    "sharing-sync": ("sharing", {"max_staleness": 0}),  # synchronous delivery (the default since 5d37075)
-    "sharing-async": ("sharing", {"max_staleness": 4}),  # DL4J's asynchronous delivery (the default before)
+    # gradient sharing as DL4J runs it: every replica applies its own encoded messages (the
+    # default until own_update="whole" became it, 2026-11-27)
+    "sharing-encoded": ("sharing", {"own_update": "encoded"}),
+    # the options below were measured under own_update="encoded" (named in each so that a run
+    # again is the run that was measured), and are tabled against sharing-encoded
+    "sharing-masking": ("sharing", {"momentum_masking": True, **ENCODED}),
+    "sharing-clipping": ("sharing", {"local_gradient_clipping": 1.0, **ENCODED}),
+    "sharing-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625), **ENCODED}),
+    "sharing-sync": ("sharing", {"max_staleness": 0, **ENCODED}),  # synchronous delivery (the default since 5d37075)
+    "sharing-async": ("sharing", {"max_staleness": 4, **ENCODED}),  # DL4J's asynchronous delivery (the default before)
     # a denser adaptive band: 1-5% of the elements a step (the default's is 0.01-1%)
-    "sharing-band": ("sharing", {"band": (0.01, 0.05)}),
+    "sharing-band": ("sharing", {"band": (0.01, 0.05), **ENCODED}),
     # a slower adaptive threshold: it halves (or doubles) over 100 steps, DL4J's over 20
-    "sharing-decay-100": ("sharing", {"halving_steps": 100}),
+    "sharing-decay-100": ("sharing", {"halving_steps": 100, **ENCODED}),
     # parameter averaging's settings against its defaults (frequency 5, plain mean, the
     # updater's state averaged): fewer rounds, DiLoCo's outer Nesterov step, the state kept
     "averaging-f20": ("averaging", {"averaging_frequency": 20}),
@@ -105,23 +112,18 @@ OPTIONS = {
     # gradient sharing applies the sum of every replica's update, so at n workers Adam moves an
     # element by up to n times its rate a step: its rate over sqrt(n) keeps sqrt(n), the
     # square-root rule for the n times larger minibatch
-    "sharing-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt"}),
-    "sharing-lr-sqrt": ("sharing", {"lr_scale": "sqrt"}),  # the other way, against the same defaults
+    "sharing-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt", **ENCODED}),
+    "sharing-lr-sqrt": ("sharing", {"lr_scale": "sqrt", **ENCODED}),  # the other way, against the same defaults
     # a threshold held fixed at a multiple of the task's Adam rate (an element sent moves by
     # that much): whether any still threshold trains the regression as one process does
-    "sharing-fixed-0.5lr": ("sharing", {"threshold_lr": 0.5}),
-    "sharing-fixed-lr": ("sharing", {"threshold_lr": 1.0}),
-    "sharing-fixed-2lr": ("sharing", {"threshold_lr": 2.0}),
+    "sharing-fixed-0.5lr": ("sharing", {"threshold_lr": 0.5, **ENCODED}),
+    "sharing-fixed-lr": ("sharing", {"threshold_lr": 1.0, **ENCODED}),
+    "sharing-fixed-2lr": ("sharing", {"threshold_lr": 2.0, **ENCODED}),
     # a diagnostic, not a dlspark option: gradient sharing with its encoding taken out (every
     # element's whole value sent each step, nothing left in the residual), so that each replica
     # applies the exact sum of every replica's update; it tells what the algorithm's semantics
     # cost a task apart from what the threshold encoding costs it (wrapper runtime only)
-    "sharing-unencoded": ("sharing", {"unencoded": True}),
-    # a prototype, not a dlspark option: gradient sharing where each replica applies its own
-    # whole update at once and only its peers' messages as encoded (the residual still holds
-    # what the peers have not had); the replicas then differ by their residuals, and the fit
-    # ends with the first replica's state (wrapper runtime only)
-    "sharing-own-update": ("sharing", {"own_update": True}),
+    "sharing-unencoded": ("sharing", {"unencoded": True, **ENCODED}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
@@ -405,43 +407,9 @@ def _unencoded():
         _device.encode_on_device_jit = saved
 
 
-@contextlib.contextmanager
-def _own_update():
-    """Within: each of the ParallelWrapper's replicas applies its own whole update and its peers'
-    encoded messages, where the library applies every replica's encoded message (the prototype
-    run ``sharing-own-update``). The messages, residuals, thresholds and bytes are the library's."""
-    from dlspark.algorithms.sharing import _device
-
-    encode_xla, encode = _device._Replicas._encode_xla, _device.encode_on_device_jit
-
-    def own_update(self, outs, active):
-        moved = []  # each active replica's message, in the order _encode_xla encodes them
-
-        def recording(residual, threshold, min_count=2):
-            out = encode(residual, threshold, min_count=min_count)
-            moved.append(out[0])
-            return out
-
-        _device.encode_on_device_jit = recording
-        try:
-            totals, sent, ts, sparsities = encode_xla(self, outs, active)
-        finally:
-            _device.encode_on_device_jit = encode
-        totals = list(totals)
-        for m, i in zip(moved, active, strict=True):  # the replica's own message out, its update in
-            totals[i] = totals[i] - m + outs[i][0]
-        return totals, sent, ts, sparsities
-
-    _device._Replicas._encode_xla = own_update
-    try:
-        yield
-    finally:
-        _device._Replicas._encode_xla = encode_xla
-
-
-#: the options of the diagnostic and prototype runs in OPTIONS that replace a piece of the
-#: ParallelWrapper's step, and the context each of their fits runs within
-WRAPPER_ONLY = {"unencoded": _unencoded, "own_update": _own_update}
+#: the options of the diagnostic runs in OPTIONS that replace a piece of the ParallelWrapper's
+#: step, and the context each of their fits runs within
+WRAPPER_ONLY = {"unencoded": _unencoded}
 
 
 def replaced_piece(run):
@@ -710,9 +678,14 @@ def main(argv=None):
 
 def against(run: str) -> str:
     """The run an option is tabled against: its algorithm with defaults, or for LocalSGD (an
-    algorithm without a run of its own here) parameter averaging's."""
-    algorithm = RUNS[run][0]
-    return "averaging" if algorithm == "localsgd" else algorithm
+    algorithm without a run of its own here) parameter averaging's; a gradient sharing option
+    measured under the former default own update, ``sharing-encoded``."""
+    algorithm, options = RUNS[run]
+    if algorithm == "localsgd":
+        return "averaging"
+    if run != "sharing-encoded" and options.get("own_update") == "encoded":
+        return "sharing-encoded"
+    return algorithm
 
 
 def options_table(results):

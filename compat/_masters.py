@@ -417,8 +417,10 @@ class _SharedBuilder(_MasterBuilder):
                                     residual_post_processor=v["residualPostProcessor"],
                                     workers_per_node=None if v["workersPerNode"] < 1 else v["workersPerNode"],
                                     encoding_debug=v["encodingDebugMode"], mesh=mode.value,
-                                    # DL4J's workers apply their peers' updates as they arrive
-                                    max_staleness=ASYNCHRONOUS_STALENESS, **self._common())
+                                    # DL4J's workers apply their peers' updates as they arrive, and
+                                    # their own as encoded, as their peers do
+                                    max_staleness=ASYNCHRONOUS_STALENESS, own_update="encoded",
+                                    **self._common())
         master = SharedTrainingMaster(algorithm, rdd_data_set_num_examples=self._rdd_n or v["batchSizePerWorker"],
                                       storage_level=v["storageLevel"], rng_seed=v["rngSeed"],
                                       settings=dict(v, numWorkers=self._num_workers))

@@ -133,8 +133,9 @@ def _loader(runtime, refs, rounds, depth):
 class _Carry(NamedTuple):
     """What each replica takes into the next fit when that fit starts from the state this
     one ended with (``GradientSharing.continue_replicas``): its updater state, residual,
-    threshold state and message count, and its parameters where they are its own. ``state`` is the network's state the fit set (the
-    next fit goes on only if the network's state holds the same bits)."""
+    threshold state and message count, and its parameters where they are its own. ``state``
+    is the network's state the fit set (the next fit goes on only if the network's state
+    holds the same bits)."""
 
     state: object
     master: object

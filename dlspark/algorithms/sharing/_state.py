@@ -25,8 +25,8 @@ from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, empty_message, 
 from ._thresholds import ThresholdState
 from ._xla import sparsity_of
 
-__all__ = ["SharingState", "Encoded", "encode_step", "add_dropped", "post_acts", "SumVectors", "add_pieces", "sharing_functions", "ReplicaOptions",
-           "replica_options"]
+__all__ = ["SharingState", "Encoded", "encode_step", "add_dropped", "post_acts", "SumVectors", "add_pieces",
+           "sharing_functions", "ReplicaOptions", "replica_options"]
 
 def _aligned_zeros(n):
     """A zeroed fp32 vector whose data starts on a 64-byte boundary: XLA's CPU client
