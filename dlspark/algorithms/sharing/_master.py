@@ -119,7 +119,7 @@ class GradientSharing(Algorithm):
         end equal (to the order of float additions; with two workers, the same bits).
         On the parity suite (``docs/benchmarks/parity-suite.md``, 10 seeds, points
         against one process), ``"whole"`` took the suite's average from -15.1 to
-        -0.4 at 2 workers and from -4.5 to -1.7 at 4: the encoded own update holds a
+        -0.43 at 2 workers and from -4.5 to -1.6 at 4: the encoded own update holds a
         replica back by its residual, which on a small regression made training
         diverge. It costs nothing on the wire: the messages are the same.
     continue_replicas : bool
