@@ -112,7 +112,11 @@ def _urls(digits, tmp_path, batch_size=16):
 def _master(algorithm):
     if algorithm == "averaging":
         return ComparedAveraging(batch_size_per_worker=16, averaging_frequency=2)
-    return GradientSharing(batch_size_per_worker=16, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2))
+    # every replica applies its own encoded messages too (own_update="encoded"), so that equal
+    # replicas show each message applied everywhere after a cut (the whole own update's replicas
+    # differ by their residuals; the messages and their sync are the same)
+    return GradientSharing(batch_size_per_worker=16, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2),
+                           own_update="encoded")
 
 
 def test_teardown_leaves_nothing_also_when_the_body_raises():

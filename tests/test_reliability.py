@@ -189,10 +189,12 @@ def test_replica_divergence_is_reduced_on_the_workers(client2, make_net, digits,
         return await real(client, worker, job, step, epoch)
 
     monkeypatch.setattr(_client, "fetch_state", counting)
-    # asynchronous delivery: the replicas may part by float order, so their divergence is
-    # measured, on the workers (with synchronous delivery their digests show it is 0)
+    # asynchronous delivery, every replica applying its own encoded messages too: the replicas
+    # may part by float order, so their divergence is measured, on the workers (with
+    # synchronous delivery their digests show it is 0)
     master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=TargetSparsityThreshold(target=0.01),
-                             residual_post_processor=NoResidualPostProcessing(), max_staleness=4)
+                             residual_post_processor=NoResidualPostProcessing(), max_staleness=4,
+                             own_update="encoded")
     net = make_net(MLP(hidden=32))
     trainer = DistributedTrainer(client2, net, master, progress=False)
     s0 = net.score(tr[:640])

@@ -285,7 +285,7 @@ def test_tls_from_dasks_config_carries_fits_evaluation_inference_and_checkpoints
     assert not same_host(*workers)  # co-located workers, yet no shared-memory shortcut past the comms
     ck = str(tmp_path / "ck.dls")
     for master in (ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2),
-                   GradientSharing(batch_size_per_worker=32)):
+                   GradientSharing(batch_size_per_worker=32, own_update="encoded")):  # replicas equal: below
         net = make_net(MLP(hidden=16))
         s0 = net.score(tr)
         trainer = DistributedTrainer(client, net, master, progress=False)

@@ -144,7 +144,7 @@ class _Carry(NamedTuple):
     residuals: list
     tstates: list
     steps: list
-    params: list  # each replica's own parameters (own_update="whole"), else None
+    params: list | None  # each replica's own parameters (own_update="whole"), else None
 
 
 def _continuation(runtime, encoder, resuming) -> _Carry | None:
