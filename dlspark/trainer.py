@@ -131,6 +131,9 @@ class DistributedTrainer:
         # fit sends each only what differs (dlspark.distributed._kept)
         self._kept_states: dict = {}
         self._kept_master = None  # the master of the fit whose states the workers kept
+        # the digests of the state the last fit handed the network where no worker holds it (a
+        # mean of the replicas): a next fit from it continues the replicas as from a kept one
+        self._ended: dict | None = None
         self._exports = Exports()
         install_plugins(client, pin)
         if self._cluster is not None:

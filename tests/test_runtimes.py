@@ -35,7 +35,10 @@ def test_the_threshold_carried_is_the_mean_over_the_replicas_that_sent(make_net,
     # starting threshold; the cluster leaves such a worker out of the mean, and so must this.
     tr, _ = digits
     # a low starting threshold: every step sends more than the band allows, so it climbs
-    master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=AdaptiveThreshold(initial=1e-4))
+    # (the first replica's parameters: the idle one holds none of its updates, so the mean of the
+    # two would be half way)
+    master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=AdaptiveThreshold(initial=1e-4),
+                             final_params="first")
     one = ParallelWrapper(make_net(updater=optax.sgd(0.1)), master, CPU2[:1], progress=False)
     one.fit(tr[:32], epochs=3)
     two = ParallelWrapper(make_net(updater=optax.sgd(0.1)), master, CPU2, progress=False)
@@ -237,8 +240,10 @@ def test_a_final_state_that_both_replicas_hold_comes_half_from_each(client2, mak
         assert continuing(state_digests(state_to_arrays(trainer.network.state)), trainer._kept_states)
     assert trainer.replica_divergence == 0.0
     # each replica's own update applied whole: the replicas' parameters differ, so the state
-    # comes whole from the first worker, the one the fit ends with
+    # comes whole from the first worker, with the mean of every worker's parameters, which no
+    # worker holds: the trainer keeps its digests for the next fit to go on from
     trainer = DistributedTrainer(client2, make_net(), sharing, progress=False)
     trainer.fit(tr[:512])
     assert plans[-1] is None and trainer.replica_divergence > 0
-    assert continuing(state_digests(state_to_arrays(trainer.network.state)), trainer._kept_states)
+    mine = state_digests(state_to_arrays(trainer.network.state))
+    assert not continuing(mine, trainer._kept_states) and trainer._ended == mine

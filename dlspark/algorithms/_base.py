@@ -16,6 +16,7 @@ from typing import ClassVar
 from .._validate import positive_int
 from ..distributed._messages import JobOptions, Reply
 from ..stats._record import RoundFigures
+from ._replica_common import mean_of
 
 __all__ = ["Algorithm", "RoundDriver", "choice", "check_common", "TRAINING_APPROACHES",
            "REPARTITION", "REPARTITION_STRATEGIES"]
@@ -195,6 +196,16 @@ class Algorithm(abc.ABC):
         """The train state's fields (paths under it, such as ``".opt_state"``) that each
         replica keeps as its own into such a fit (``replicas_continue``)."""
         return (".opt_state",)
+
+    def final_mean(self) -> bool:
+        """Whether a fit whose replicas end apart ends with :meth:`end_params` of their
+        parameters (else with the first replica's)."""
+        return False
+
+    def end_params(self, replicas: list):
+        """The network's parameters at a fit's end from the replicas' (same-structured trees,
+        the first replica's first): their mean in float32, summed in replica order."""
+        return mean_of(replicas)
 
     def compare_replicas(self) -> bool:
         """Whether replicas may end apart (then the trainer measures ``replica_divergence``)."""

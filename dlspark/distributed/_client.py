@@ -91,7 +91,8 @@ def checked(resp):
     return resp
 
 
-async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: dict | None = None, own=()) -> int:
+async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: dict | None = None, own=(),
+                        ended: dict | None = None) -> int:
     """Set the job up on ``workers``; ``state``: the train state as :func:`state_to_arrays` gives it.
 
     ``kept``: ``{worker: (key, digests)}`` of the states workers kept from the last fit (see
@@ -99,11 +100,13 @@ async def setup_workers(client, workers, job, spec: bytes, state: dict, kept: di
     if it no longer holds them. ``state["carried"]``: arrays pulled out of ``spec`` (see
     ``_kept.pull_arrays``). ``own``: indices of the state's arrays that a replica which goes on
     from the last fit takes from what it kept (its updater state, where the algorithm keeps one
-    per replica), when ``state`` is the very state the last fit ended with. Returns the bytes
+    per replica), when ``state`` is the very state the last fit ended with: one a worker kept, or
+    the one of digests ``ended`` that the last fit combined from the replicas. Returns the bytes
     sent (the spec and the arrays)."""
     kept = {w: k for w, k in (kept or {}).items() if w in workers and k[1] is not None}
     mine = await asyncio.get_running_loop().run_in_executor(None, state_digests, state) if kept else None
-    own = frozenset(own) if kept and own and continuing(mine, kept) else frozenset()
+    same = kept and (continuing(mine, kept) or (ended is not None and mine == ended))
+    own = frozenset(own) if same and own else frozenset()
 
     async def one(rank, w):
         if w in kept:
@@ -251,7 +254,8 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             # replicas go on from the last fit only under the same master (a threshold or an updater
             # state reached under another is not this one's)
             own = replica_arrays(master, state) if trainer._kept_master == master else []
-            sent = client.sync(setup_workers, client, workers, job, setup_spec, state, trainer._kept_states, own)
+            sent = client.sync(setup_workers, client, workers, job, setup_spec, state, trainer._kept_states, own,
+                               trainer._ended)
             if hasattr(span, "fields"):
                 span.fields["bytes"] = sent
         run = dict(job=job, workers=workers, spec=spec, partitions=partitions, master=cloudpickle.dumps(master),
@@ -268,10 +272,14 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             source, final, divergence, trainer._kept_states = client.sync(
                 _fit_end, client, list(result.workers), job, step, epoch, master.compare_replicas(),
                 [a.nbytes for a in state["arrays"]],
-                _leaves_under(state, ".params"))
+                _leaves_under(state, ".params"), master.end_params if master.final_mean() else None)
             trainer._kept_master = master
         net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
+        trainer._ended = None
+        if master.final_mean() and divergence:  # the replicas' parameters combined: no worker holds them
+            carried = pull_arrays(dict(trainer.algorithm_state))[1]
+            trainer._ended = state_digests({"arrays": state_to_arrays(net.state)["arrays"], "carried": carried or []})
         if divergence is not None:
             trainer.published["replica_divergence"] = divergence
         for s in result.stats:
@@ -377,12 +385,13 @@ async def _fetch_split(client, job, step, epoch, plan: dict, source: str) -> dic
     return {"state": dict(final["state"], arrays=arrays), "carried": final["carried"]}
 
 
-async def _fit_end(client, workers, job, step, epoch, compare: bool, sizes=None, params=()):
+async def _fit_end(client, workers, job, step, epoch, compare: bool, sizes=None, params=(), combine=None):
     """``(source, state, divergence, kept)``: every replica keeps its state (:func:`_keep_states`),
     then the client takes the source's. Where other replicas hold arrays of it bit for bit (the
     kept digests say which), each array comes from one of its holders, so that the bytes leave
-    over several links at once; otherwise :func:`_final_state` (``sizes``: bytes per array of
-    the state; ``params``: the parameters' indices among them)."""
+    over several links at once; otherwise, with ``combine`` (the master's ``end_params``),
+    :func:`_combined_state`, else :func:`_final_state` (``sizes``: bytes per array of the state;
+    ``params``: the parameters' indices among them)."""
     kept = await _keep_states(client, workers, job, step, epoch)
     plan = None if sizes is None else split_fetch(kept, workers, sizes, params)
     if plan is not None:
@@ -394,8 +403,38 @@ async def _fit_end(client, workers, job, step, epoch, compare: bool, sizes=None,
         else:
             # every replica's parameters are the source's bit for bit (split_fetch checked)
             return source, final, (0.0 if compare else None), kept
+    if combine is not None and len(workers) > 1 and params:
+        return (*await _combined_state(client, workers, job, step, epoch, params, combine), kept)
     ended = await _final_state(client, workers, job, step, epoch, compare)
     return (*ended, kept)
+
+
+async def _combined_state(client, workers, job, step, epoch, params, combine):
+    """``(source, state, divergence)``: the first worker's state with ``combine`` of every replica's
+    parameters (``params``: their indices among the state's arrays; ``combine`` takes each
+    replica's list of them, in address order, as the ParallelWrapper's devices stand) in place
+    of its own, and the largest difference of a replica's parameters from the source's. The
+    other workers send their parameters alone, while the source sends its state; a worker lost
+    since the job ended is left out."""
+    async def leaves(w):
+        try:
+            return checked(await client.rpc(w).dlspark_state(job=job, params=True))["params"]
+        except Exception:  # lost since the job ended: the others are combined
+            return None
+
+    taken, *others = await asyncio.gather(fetch_state_from_any(client, workers, job, step, epoch),
+                                          *[leaves(w) for w in workers[1:]])
+    source, final = taken
+    arrays = list(final["state"]["arrays"])
+    mine = [arrays[i] for i in params]
+    by_worker = {source: mine}
+    if source == workers[0]:  # else the first was lost meanwhile: the source's own parameters
+        by_worker.update({w: p for w, p in zip(workers[1:], others) if p is not None})
+    for i, a in zip(params, combine([by_worker[w] for w in sorted(by_worker)])):
+        arrays[i] = np.asarray(a, dtype=np.asarray(arrays[i]).dtype)
+    apart = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for w, p in by_worker.items() if w != source
+             for a, b in zip(p, mine) if np.size(a)]
+    return source, {**final, "state": dict(final["state"], arrays=arrays)}, max(apart, default=0.0)
 
 
 async def _final_state(client, workers, job, step, epoch, compare: bool):

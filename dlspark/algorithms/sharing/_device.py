@@ -212,8 +212,9 @@ class _Replicas:
             self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
         if carry is not None:  # each replica goes on where it stopped; replica 0's state is the network's
             self.states = [s if i == 0 else s.replace(opt_state=carry.opt_states[i]) for i, s in enumerate(self.states)]
-            if carry.params is not None:
-                self.states = [s if i == 0 else s.replace(params=carry.params[i]) for i, s in enumerate(self.states)]
+            if carry.params is not None:  # its own parameters, the first replica's too (the network may hold a mean)
+                self.states = [s.replace(params=jax.device_put(p, d, may_alias=False))
+                               for s, p, d in zip(self.states, carry.params, self.devices)]
             self.residuals, self.tstates, self.steps = list(carry.residuals), list(carry.tstates), list(carry.steps)
 
     def carry(self, final) -> _Carry:
@@ -411,8 +412,11 @@ class SharingDeviceRun:
                         after = progress["epoch"]
                         prog = dict(progress, epoch=epochs_done + after, epochs_total=epochs_total)
                         reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + after, prog)
-            final = jax.device_put(reps.states[0].replace(step=np.int32(base_step + trained),
-                                                          epoch=np.int32(base_epoch + epochs)), home)
+            final = reps.states[0]
+            if master.final_mean() and n_dev > 1:  # the replicas' mean, as the cluster's client takes it
+                final = final.replace(params=master.end_params(jax.device_get([s.params for s in reps.states])))
+            final = jax.device_put(final.replace(step=np.int32(base_step + trained), epoch=np.int32(base_epoch + epochs)),
+                                   home)
             if master.replicas_continue():
                 rt.sharing_carry = reps.carry(final)
             return FitOutcome(final, stats, replica_params=[s.params for s in reps.states],
