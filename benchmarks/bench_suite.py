@@ -80,6 +80,9 @@ OPTIONS = {
     # gradient sharing as DL4J runs it: every replica applies its own encoded messages (the
     # default until own_update="whole" became it, 2026-11-27)
     "sharing-encoded": ("sharing", {"own_update": "encoded"}),
+    # the whole own update ending a fit with the first replica's parameters, not the replicas'
+    # mean (the default from its first day until final_params="mean" became it, 2026-11-27)
+    "sharing-first": ("sharing", {"final_params": "first"}),
     # the options below were measured under own_update="encoded" (named in each so that a run
     # again is the run that was measured), and are tabled against sharing-encoded
     "sharing-masking": ("sharing", {"momentum_masking": True, **ENCODED}),

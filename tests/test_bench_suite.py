@@ -166,16 +166,20 @@ def test_the_unencoded_diagnostic_sends_every_element_whole_and_only_within_its_
     assert not (tmp_path / "s.json").exists()
 
 
-def test_the_default_own_update_and_dl4js_send_the_same_bytes_and_move_the_first_replica_apart():
-    # one step on each of two devices, from the same start and data: under the default
-    # (own_update="whole") the first replica (the network's) moves every parameter by its own Adam
-    # step (about the learning rate), under sharing-encoded only the few elements both messages
-    # carry; the messages, and so the bytes, are the same
+def test_the_whole_own_update_and_dl4js_send_the_same_bytes_and_move_the_first_replica_apart():
+    # one step on each of two devices, from the same start and data: under the whole own update
+    # (the default) the first replica (the network's under sharing-first) moves every parameter
+    # by its own Adam step (about the learning rate), under sharing-encoded only the few elements
+    # both messages carry; the messages, and so the bytes, are the same
     task = bench_suite.TASKS["cancer"]
-    own, own_bytes = _one_step(task, "sharing")
+    own, own_bytes = _one_step(task, "sharing-first")
     encoded, encoded_bytes = _one_step(task, "sharing-encoded")
     assert (own > 0).mean() > 0.9 and np.median(own) == pytest.approx(task.learning_rate, rel=1e-2)
     assert 0 < (encoded > 0).mean() < 0.1
     assert own_bytes == encoded_bytes > 0
     assert bench_suite.against("sharing-masking") == "sharing-encoded" == bench_suite.against("sharing-band")
-    assert bench_suite.against("sharing-encoded") == "sharing"
+    assert bench_suite.against("sharing-encoded") == "sharing" == bench_suite.against("sharing-first")
+    # the default ends with the replicas' mean: where their Adam steps disagree in sign, it
+    # moves little
+    mean, mean_bytes = _one_step(task, "sharing")
+    assert mean_bytes == own_bytes and 0 < (mean < 0.5 * own).mean() < 0.5
