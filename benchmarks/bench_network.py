@@ -274,7 +274,7 @@ def run_torch(net, n, epochs, runs, hook, world, curve_epochs=0):
 
 CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd",
               "averaging5-no-updater", "localsgd50-bf16-outer", "sharing-sync", "sharing-async", "sharing-encoded",
-              "sharing-dgc-warmup", "sharing-no-clipping")
+              "sharing-first", "sharing-dgc-warmup", "sharing-no-clipping")
 #: measured by default; torch 2.13's powerSGD_hook fails a collective on gloo here ("Received data
 #: size doesn't match expected size"), so it runs only when named, as does averaging without
 #: save_updater (whose rounds carry the parameters alone) and LocalSGD (averaging50-outer's rounds
@@ -300,6 +300,8 @@ def _master(name):
         return dlspark.GradientSharing(batch_size_per_worker=BATCH, max_staleness=0)
     if name == "sharing-encoded":  # DL4J's own update (the default before own_update="whole")
         return dlspark.GradientSharing(batch_size_per_worker=BATCH, own_update="encoded")
+    if name == "sharing-first":  # the whole own update, a fit ending with the first replica's parameters
+        return dlspark.GradientSharing(batch_size_per_worker=BATCH, final_params="first")
     if name == "sharing-async":  # DL4J's asynchronous delivery (the default before 5d37075)
         return dlspark.GradientSharing(batch_size_per_worker=BATCH, max_staleness=4)
     if name == "sharing-dgc-warmup":
