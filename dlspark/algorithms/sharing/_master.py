@@ -113,9 +113,9 @@ class GradientSharing(Algorithm):
         How a replica applies its own update. ``"whole"`` (the default): at once and
         whole, beside its peers' encoded messages; what its residual holds (the part
         its peers have not had yet, and whatever residual clipping dropped) is then in
-        its own parameters only, so the replicas differ by about their residuals'
-        size (``replica_divergence`` reports it) and a fit ends with the first
-        replica's parameters. ``"encoded"``: DL4J's, every replica applies every
+        its own parameters only, so the replicas differ by their residuals
+        (``replica_divergence`` reports it) and a fit ends with their mean
+        (``final_params``). ``"encoded"``: DL4J's, every replica applies every
         replica's encoded message, its own included, so all apply the same sums and
         end equal (to the order of float additions; with two workers, the same bits).
         On the parity suite (``docs/benchmarks/parity-suite.md``, 10 seeds, points
