@@ -95,10 +95,11 @@ def replica_rngs(rng, n: int, saved=None) -> list:
 
 
 def divergence(trees) -> float:
-    """The largest absolute difference between the first tree's leaves and any other's."""
+    """The largest absolute difference between the first tree's leaves and any other's (leaves
+    with no elements differ by nothing)."""
     leaves = [jax.tree_util.tree_leaves(t) for t in trees]
     return max((float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                for other in leaves[1:] for a, b in zip(leaves[0], other)), default=0.0)
+                for other in leaves[1:] for a, b in zip(leaves[0], other) if np.size(a)), default=0.0)
 
 
 def is_averaged(x) -> bool:

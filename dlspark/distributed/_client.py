@@ -17,6 +17,7 @@ import cloudpickle
 import numpy as np
 from distributed.protocol import to_serialize
 
+from .._mesh import divergence
 from ..checkpoint import read_checkpoint_meta, state_from_arrays, state_to_arrays
 from ..errors import CheckpointError, JobFailedError
 from ._kept import continuing, pull_arrays, sent_bytes, state_digests, thin
@@ -269,7 +270,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             result = checked(client.sync(client.scheduler.dlspark_start, wait=True, **run))["result"]
         step, epoch = base_step + result.trained, base_epoch + epochs
         with st.span("fetch_state"):
-            source, final, divergence, trainer._kept_states = client.sync(
+            source, final, apart, trainer._kept_states = client.sync(
                 _fit_end, client, list(result.workers), job, step, epoch, master.compare_replicas(),
                 [a.nbytes for a in state["arrays"]],
                 _leaves_under(state, ".params"), master.end_params if master.final_mean() else None)
@@ -277,11 +278,11 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
         trainer._ended = None
-        if master.final_mean() and divergence:  # the replicas' parameters combined: no worker holds them
+        if master.final_mean() and apart:  # the replicas' parameters combined: no worker holds them
             carried = pull_arrays(dict(trainer.algorithm_state))[1]
-            trainer._ended = state_digests({"arrays": state_to_arrays(net.state)["arrays"], "carried": carried or []})
-        if divergence is not None:
-            trainer.published["replica_divergence"] = divergence
+            trainer._ended = state_digests({"arrays": final["state"]["arrays"], "carried": carried or []})
+        if apart is not None:
+            trainer.published["replica_divergence"] = apart
         for s in result.stats:
             trainer.loss_history.append((s["round"], base_epoch + s["epoch"], s["loss"]))
         if master.collect_training_stats:
@@ -432,9 +433,8 @@ async def _combined_state(client, workers, job, step, epoch, params, combine):
         by_worker.update({w: p for w, p in zip(workers[1:], others) if p is not None})
     for i, a in zip(params, combine([by_worker[w] for w in sorted(by_worker)])):
         arrays[i] = np.asarray(a, dtype=np.asarray(arrays[i]).dtype)
-    apart = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for w, p in by_worker.items() if w != source
-             for a, b in zip(p, mine) if np.size(a)]
-    return source, {**final, "state": dict(final["state"], arrays=arrays)}, max(apart, default=0.0)
+    others = [p for w, p in by_worker.items() if w != source]
+    return source, {**final, "state": dict(final["state"], arrays=arrays)}, divergence([mine, *others])
 
 
 async def _final_state(client, workers, job, step, epoch, compare: bool):

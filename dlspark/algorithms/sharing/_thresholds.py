@@ -286,14 +286,14 @@ class ResidualClipping:
         return iteration % self.frequency == 0
 
     def update(self, residual: np.ndarray, threshold: float, iteration: int) -> np.ndarray:
-        if iteration % self.frequency == 0:
+        if self.acts_at(iteration):
             lim = np.float32(self.threshold_multiple * threshold)
             np.clip(residual, -lim, lim, out=residual)
         return residual
 
     def update_on_device(self, residual, threshold: float, iteration: int):
         """``update`` on a device vector (the same bits: one clip of float32 values)."""
-        if iteration % self.frequency == 0:
+        if self.acts_at(iteration):
             return _clip(residual, np.float32(self.threshold_multiple * threshold))
         return residual
 
