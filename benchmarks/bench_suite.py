@@ -74,6 +74,8 @@ SEEDS = tuple(range(10))
 ALGORITHMS = {"averaging": {}, "sharing": {}}
 #: gradient sharing's former default (DL4J's: each replica applies its own encoded messages)
 ENCODED = {"own_update": "encoded"}
+#: parameter averaging's former default (DL4J's: the mean of the replicas' unscaled steps)
+UNSCALED = {"update_scale": 1.0}
 #: options measured against the defaults (run name -> (algorithm, its options)); not part of
 #: the default grid: name them in --algorithms (each is tabled against its algorithm with defaults)
 OPTIONS = {
@@ -94,24 +96,33 @@ OPTIONS = {
     "sharing-band": ("sharing", {"band": (0.01, 0.05), **ENCODED}),
     # a slower adaptive threshold: it halves (or doubles) over 100 steps, DL4J's over 20
     "sharing-decay-100": ("sharing", {"halving_steps": 100, **ENCODED}),
+    # parameter averaging as DL4J runs it: the mean of the replicas' steps at the updater's own
+    # rate (the default until update_scale="workers" became it, 2026-11-27)
+    "averaging-unscaled": ("averaging", {"update_scale": 1.0}),
+    # the options below were measured under update_scale=1.0 (named in each so that a run again
+    # is the run that was measured), and are tabled against averaging-unscaled.
     # parameter averaging's settings against its defaults (frequency 5, plain mean, the
     # updater's state averaged): fewer rounds, DiLoCo's outer Nesterov step, the state kept
-    "averaging-f20": ("averaging", {"averaging_frequency": 20}),
-    "averaging-f5-nesterov": ("averaging", {"averaging_frequency": 5, "outer": "nesterov"}),
-    "averaging-f50-nesterov": ("averaging", {"averaging_frequency": 50, "outer": "nesterov"}),
-    "averaging-no-updater": ("averaging", {"save_updater": False}),
+    "averaging-f20": ("averaging", {"averaging_frequency": 20, **UNSCALED}),
+    "averaging-f5-nesterov": ("averaging", {"averaging_frequency": 5, "outer": "nesterov", **UNSCALED}),
+    "averaging-f50-nesterov": ("averaging", {"averaging_frequency": 50, "outer": "nesterov", **UNSCALED}),
+    "averaging-no-updater": ("averaging", {"save_updater": False, **UNSCALED}),
     # LocalSGD: averaging at 50 with the outer step's pseudo-gradient, sent in bfloat16 with
     # error feedback, each replica's updater state its own (tabled against averaging's defaults)
     "localsgd-f50-nesterov": ("localsgd", {"local_steps": 50, "outer": "nesterov"}),
     # Adam's learning rate scaled with the workers (n): by sqrt(n), the square-root rule for
     # adaptive updaters at an n times larger batch, or by n, the linear rule
-    "averaging-lr-sqrt": ("averaging", {"lr_scale": "sqrt"}),
-    "averaging-lr-linear": ("averaging", {"lr_scale": "linear"}),
+    "averaging-lr-sqrt": ("averaging", {"lr_scale": "sqrt", **UNSCALED}),
+    "averaging-lr-linear": ("averaging", {"lr_scale": "linear", **UNSCALED}),
     # averaging at 50 with the outer step, Adam's rate scaled with the workers as above
     "averaging-f50-nesterov-lr-sqrt": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
-                                                     "lr_scale": "sqrt"}),
+                                                     "lr_scale": "sqrt", **UNSCALED}),
     "averaging-f50-nesterov-lr-linear": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
-                                                       "lr_scale": "linear"}),
+                                                       "lr_scale": "linear", **UNSCALED}),
+    # averaging whose outer step applies the sum of the workers' moves rather than their mean
+    # (optax.sgd at a rate of n workers): n workers' rounds move the parameters as far as one
+    # process's steps over the same minibatches would, as gradient sharing's sum of updates does
+    "averaging-sum": ("averaging", {"outer_rate": "workers", **UNSCALED}),
     # gradient sharing applies the sum of every replica's update, so at n workers Adam moves an
     # element by up to n times its rate a step: its rate over sqrt(n) keeps sqrt(n), the
     # square-root rule for the n times larger minibatch
@@ -375,12 +386,17 @@ def single_fit(task, data, seed, batch=BATCH, lr_factor=1.0):
 def run_setup(task, train, seed, run, workers):
     """``(network, master)`` of a distributed run: the run's options go to its master, but for
     ``lr_scale``, which scales the network's learning rate with the workers, and
-    ``threshold_lr``, a fixed threshold of that many times the task's learning rate."""
+    ``threshold_lr``, a fixed threshold of that many times the task's learning rate, and
+    ``outer_rate="workers"``, an outer SGD step at a rate of the workers."""
     import dlspark
 
     algorithm, options = RUNS[run]
     options = dict(options)
     scale = options.pop("lr_scale", None)
+    if options.pop("outer_rate", None) == "workers":
+        import optax
+
+        options["outer_updater"] = optax.sgd(float(workers))
     if "threshold_lr" in options:
         options["threshold_algorithm"] = dlspark.FixedThreshold(options.pop("threshold_lr") * task.learning_rate)
     for k in WRAPPER_ONLY:  # the fit's, not the master's (see wrapper_fit)
@@ -680,14 +696,17 @@ def main(argv=None):
 
 
 def against(run: str) -> str:
-    """The run an option is tabled against: its algorithm with defaults, or for LocalSGD (an
-    algorithm without a run of its own here) parameter averaging's; a gradient sharing option
-    measured under the former default own update, ``sharing-encoded``."""
+    """The run an option is tabled against: its algorithm with defaults; an option measured
+    under a former default, that default's run (``sharing-encoded``, ``averaging-unscaled``);
+    LocalSGD (an algorithm without a run of its own here), averaging's former default, whose
+    rounds it shares."""
     algorithm, options = RUNS[run]
     if algorithm == "localsgd":
-        return "averaging"
+        return "averaging-unscaled"
     if run != "sharing-encoded" and options.get("own_update") == "encoded":
         return "sharing-encoded"
+    if run != "averaging-unscaled" and options.get("update_scale") == 1.0:
+        return "averaging-unscaled"
     return algorithm
 
 

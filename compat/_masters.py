@@ -295,7 +295,7 @@ class _ParameterAveragingBuilder(_MasterBuilder):
         v = self._values
         algorithm = ParameterAveraging(batch_size_per_worker=v["batchSizePerWorker"],
                                        averaging_frequency=v["averagingFrequency"],
-                                       save_updater=v["saveUpdater"], **self._common())
+                                       save_updater=v["saveUpdater"], update_scale=1.0, **self._common())
         return ParameterAveragingTrainingMaster(algorithm, rdd_data_set_num_examples=self._rdd_n,
                                                 storage_level=v["storageLevel"], rng_seed=v["rngSeed"],
                                                 settings=dict(v, numWorkers=self._num_workers))
@@ -313,6 +313,10 @@ class ParameterAveragingTrainingMaster(TrainingMaster):
     ...       .averagingFrequency(5).workerPrefetchNumBatches(2).build())
     >>> tm.algorithm.averaging_frequency
     5
+
+    The replicas' steps are averaged at the updater's own rate, as DL4J does
+    (``update_scale=1.0``; :class:`dlspark.ParameterAveraging`'s default scales them with the
+    workers).
     """
 
     Builder = _ParameterAveragingBuilder

@@ -102,6 +102,36 @@ def divergence(trees) -> float:
                 for other in leaves[1:] for a, b in zip(leaves[0], other) if np.size(a)), default=0.0)
 
 
+def stitch_owners(own_sizes: list, params_bytes: int, n: int) -> list:
+    """Which replica each of a fit's replica-own arrays (the updater state's floating-point
+    leaves, in tree order; ``own_sizes``: their bytes) comes from when a fit ends with the
+    replicas' mean: every replica sends its parameters (``params_bytes``) for the mean, and
+    each own array goes, largest first, to the replica with the fewest bytes to send so far
+    (the first on a tie). Both runtimes take the same, so that they end with the same bits;
+    on a cluster each worker's link then carries about as many bytes as any other's."""
+    load = [params_bytes] * n
+    owners = [0] * len(own_sizes)
+    for k in sorted(range(len(own_sizes)), key=lambda k: (-own_sizes[k], k)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        owners[k] = r
+        load[r] += own_sizes[k]
+    return owners
+
+
+def stitched_updater_state(states: list):
+    """The updater state a fit ending with the replicas' mean keeps (``states``: the replicas'
+    train states, in replica order): each floating-point leaf from the replica
+    :func:`stitch_owners` names, every other leaf (step counts) the first replica's."""
+    opts = [jax.tree_util.tree_leaves(s.opt_state) for s in states]
+    own = [k for k, x in enumerate(opts[0]) if is_averaged(x)]
+    params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(states[0].params))
+    owners = stitch_owners([opts[0][k].nbytes for k in own], params_bytes, len(states))
+    leaves = list(opts[0])
+    for k, r in zip(own, owners):
+        leaves[k] = opts[r][k]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(states[0].opt_state), leaves)
+
+
 def is_averaged(x) -> bool:
     """Whether a leaf takes part in a mean over replicas: floating-point leaves; integer ones
     (step counts, RNG keys) stay each replica's own."""

@@ -276,9 +276,11 @@ class ParallelWrapper:
                 self.last_fit_stats = []
                 return net
         rt = self._runtime
+        # the fit's master: what depends on the number of replicas settled for the devices
+        settled = master.for_workers(len(self.devices))
         rt.master, rt.algorithm_state, rt.loader, rt.storage_options, rt.checkpoint_options = (
-            master, self.algorithm_state, loader, storage_options, opts)
-        run = master.create_device_run(rt)  # the master of this fit (it may have been replaced)
+            settled, self.algorithm_state, loader, storage_options, opts)
+        run = settled.create_device_run(rt)  # the master of this fit (it may have been replaced)
         bar = _progress_bar(self.progress if progress is None else progress, epochs * len(refs) - len(skip))
         rt.reporter = _Reporter(bar, callbacks)
         try:

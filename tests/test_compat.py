@@ -96,6 +96,7 @@ def test_builders_take_dl4j_names_and_defaults(digits):
     a = pa.algorithm
     assert (a.batch_size_per_worker, a.averaging_frequency, a.worker_prefetch_num_batches,
             a.save_updater) == (16, 5, 2, True)
+    assert a.update_scale == 1.0 and a.for_workers(4) == a  # DL4J's mean of unscaled steps, at any count
     assert (a.training_approach, a.repartition, a.repartition_strategy, a.collect_training_stats) == (
         "export", "always", "balanced", False)
     assert pa.rdd_data_set_num_examples == 8 and pa.rdd_training_approach is RDDTrainingApproach.Export

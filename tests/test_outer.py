@@ -47,7 +47,8 @@ def _one_averaged_round(client, net, master, urls):
 
     DistributedTrainer(client, net, master, progress=False)  # installs the plugins
     job = uuid.uuid4().hex[:12]
-    spec = cloudpickle.dumps(JobSpec(net.definition(), net.token, master, urls))
+    # the master a fit settles for its two workers (update_scale), as the trainer sends it
+    spec = cloudpickle.dumps(JobSpec(net.definition(), net.token, master.for_workers(2), urls))
     a, b = sorted(client.scheduler_info()["workers"])
 
     async def scenario():
@@ -122,7 +123,7 @@ def test_nesterov_outer_loop_equals_the_same_loop_computed_here(client, make_net
     tr, _ = digits
     batches = tr[:512].batches(32)  # 16 minibatches: 4 rounds of 2 workers x 2
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2,
-                                outer_updater=optax.sgd(**NESTEROV))
+                                outer_updater=optax.sgd(**NESTEROV), update_scale=1.0)
     net = make_net(updater=optax.sgd(0.1))
     trainer = DistributedTrainer(client, net, master, progress=False)
     trainer.fit(batches)
@@ -183,3 +184,38 @@ def _without_outer_state(url, out):
 def test_outer_updater_must_be_an_optax_transformation():
     with pytest.raises(TypeError, match="outer_updater must be an optax transformation"):
         ParameterAveraging(outer_updater=0.7)
+
+
+@pytest.mark.parametrize("scale", [0, -1.0, float("nan"), "all", True, None])
+def test_update_scale_must_be_workers_or_a_positive_number(scale):
+    with pytest.raises(ValueError, match='update_scale must be "workers" or a positive finite number'):
+        ParameterAveraging(update_scale=scale)
+
+
+def test_update_scale_is_settled_for_the_workers_before_a_run():
+    master = ParameterAveraging()
+    assert master.update_scale == "workers" and master.for_workers(3).update_scale == 3.0
+    assert ParameterAveraging(update_scale=0.5).for_workers(3).update_scale == 0.5
+    from dlspark.algorithms.averaging._numerics import settled_scale
+
+    with pytest.raises(ValueError, match="settled when a fit starts"):
+        settled_scale(master)
+
+
+def test_default_update_scale_is_the_rate_times_the_workers(client, make_net, digits):
+    """By default the replicas' steps are their updater's times the number of workers (for
+    SGD: the rate times 2 here); ``update_scale=1.0`` is DL4J's mean of unscaled steps."""
+    tr, _ = digits
+    batches = tr[:256].batches(32)  # 8 minibatches: 2 rounds of 2 workers x 2
+    ends = {}
+    for scale, rate_here in (("workers", 0.2), (1.0, 0.1)):
+        net = make_net(updater=optax.sgd(0.1))
+        master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, update_scale=scale)
+        trainer = DistributedTrainer(client, net, master, progress=False)
+        trainer.fit(batches)
+        assert trainer.master.update_scale == scale  # the user's master is kept as given
+        here = _outer_loop_here(make_net, batches, 2, 2, rate_here, None)
+        for x, y in zip(_floats(net.state.params), _floats(here.params)):
+            np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+        ends[scale] = _floats(net.state.params)
+    assert any(not np.allclose(x, y, rtol=1e-3, atol=1e-4) for x, y in zip(ends["workers"], ends[1.0]))

@@ -95,7 +95,9 @@ def test_two_devices_sgd_frequency_one_equals_synchronous_sgd(make_net, digits):
     wrapper = ParallelWrapper(net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=1), CPU2,
                               progress=False)
     wrapper.fit(tr[:512])
-    sync = make_net(updater=optax.sgd(0.1))
+    # the default update_scale: two replicas' steps at twice the rate, so their mean is one step
+    # on the merged minibatch at twice the rate (the linear rule)
+    sync = make_net(updater=optax.sgd(0.2))
     sync.fit([DataSet.merge(batches[i:i + 2]) for i in range(0, len(batches), 2)])
     _close(net.state.params, sync.state.params, rtol=1e-4, atol=1e-6)
     assert net.iteration == 16 and len(wrapper.loss_history) == 8
@@ -113,7 +115,8 @@ def test_adam_and_uneven_last_rounds_equal_averaging_by_hand(make_net, digits, s
     tr, _ = digits
     batches = tr[:n].batches(32)
     net = make_net(MLP(dropout=0.2), updater=optax.adam(1e-2))
-    expected, _ = _by_hand(make_net(MLP(dropout=0.2), updater=optax.adam(1e-2)), batches, 2, 3, save_updater)
+    # by hand at Adam's rate times the two replicas: the default update_scale
+    expected, _ = _by_hand(make_net(MLP(dropout=0.2), updater=optax.adam(2e-2)), batches, 2, 3, save_updater)
     master = ParameterAveraging(averaging_frequency=3, save_updater=save_updater)
     ParallelWrapper(net, master, CPU2, progress=False).fit(batches)
     _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
@@ -128,7 +131,7 @@ def test_outer_optimizer_equals_the_outer_loop_by_hand_and_is_carried(make_net, 
     batches = tr[:384].batches(32)
     tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
     net = make_net(updater=optax.sgd(0.1))
-    expected, ost = _by_hand(make_net(updater=optax.sgd(0.1)), batches, 2, 2, tx=tx)
+    expected, ost = _by_hand(make_net(updater=optax.sgd(0.2)), batches, 2, 2, tx=tx)  # the rate x 2 replicas
     wrapper = ParallelWrapper(net, ParameterAveraging(averaging_frequency=2, outer_updater=tx), CPU2, progress=False)
     wrapper.fit(batches)
     _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)

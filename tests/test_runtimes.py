@@ -195,6 +195,8 @@ def test_a_fit_an_epoch_at_a_time_goes_on_as_one_longer_fit_on_both_runtimes(cli
     _same(_fits(wrapper(master), [1, 1], data), longer, atol=0.0)
     cluster = DistributedTrainer(client2, make_net(), master, progress=False)
     _same(_fits(cluster, [1, 1], data), longer, atol=0.0)
+    # the updater state a fit ends with is stitched alike: each array from the same replica
+    _same(cluster.network.state.opt_state, one.network.state.opt_state, atol=0.0)
     # the replicas, each gone on from its own parameters (own_update="whole"), end as far apart
     assert cluster.replica_divergence == one.replica_divergence > 0
     apart = _fits(wrapper(dropped), [1, 1], data)
@@ -239,11 +241,36 @@ def test_a_final_state_that_both_replicas_hold_comes_half_from_each(client2, mak
         assert plans[-1] is not None and len(plans[-1]) == 2, master.name
         assert continuing(state_digests(state_to_arrays(trainer.network.state)), trainer._kept_states)
     assert trainer.replica_divergence == 0.0
-    # each replica's own update applied whole: the replicas' parameters differ, so the state
-    # comes whole from the first worker, with the mean of every worker's parameters, which no
-    # worker holds: the trainer keeps its digests for the next fit to go on from
+    # each replica's own update applied whole: the replicas' parameters differ, so every worker
+    # sends its parameters for the mean, which no worker holds, and the updater state is
+    # stitched: each of its floating-point arrays from one worker, the two workers' bytes about
+    # equal; the trainer keeps the state's digests for the next fit to go on from
     trainer = DistributedTrainer(client2, make_net(), sharing, progress=False)
     trainer.fit(tr[:512])
     assert plans[-1] is None and trainer.replica_divergence > 0
-    mine = state_digests(state_to_arrays(trainer.network.state))
+    state = state_to_arrays(trainer.network.state)
+    mine = state_digests(state)
     assert not continuing(mine, trainer._kept_states) and trainer._ended == mine
+    kept = {w: d["arrays"] for w, (_, d) in trainer._kept_states.items()}
+    assert len(kept) == 2
+    sent = dict.fromkeys(kept, sum(state["arrays"][i].nbytes for i in _client._leaves_under(state, ".params")))
+    for i in _client._own_updater_arrays(state):
+        holders = [w for w in kept if kept[w][i] == mine["arrays"][i]]
+        assert len(holders) == 1  # the replicas' updater states differ: this array is one worker's
+        sent[holders[0]] += state["arrays"][i].nbytes
+    assert max(sent.values()) < 1.25 * min(sent.values()), sent
+
+
+def test_stitch_owners_spreads_the_updater_state_over_the_replicas_largest_first():
+    from dlspark._mesh import stitch_owners
+
+    # every replica sends 10 bytes of parameters; the largest array goes to the first replica
+    # (a tie), the next to the second, and so on to the least loaded, the first on a tie
+    assert stitch_owners([4, 8, 8, 4], 10, 2) == [0, 0, 1, 1]
+    assert stitch_owners([4, 8, 8, 4], 10, 1) == [0, 0, 0, 0]
+    assert stitch_owners([], 10, 3) == []
+    sizes = [40, 30, 20, 10, 5, 5]
+    for n in (2, 3):
+        owners = stitch_owners(sizes, 0, n)
+        loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(n)]
+        assert max(loads) - min(loads) <= max(sizes) and set(owners) == set(range(n))

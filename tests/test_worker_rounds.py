@@ -45,12 +45,15 @@ class _DrivenJob:
         self.client = client
         self.urls = save_minibatches(tr[:n_examples], url=str(tmp_path / "mb"), batch_size=32)
         self.net = make_net()
-        master = master or ParameterAveraging(batch_size_per_worker=32)
+        # steps at the updater's own rate: the tests compute a replica's steps here with the network's
+        master = master or ParameterAveraging(batch_size_per_worker=32, update_scale=1.0)
         DistributedTrainer(client, self.net, master, progress=False)  # installs the plugins
-        self.spec = cloudpickle.dumps(JobSpec(self.net.definition(), self.net.token, master, self.urls))
+        self.workers = sorted(client.scheduler_info()["workers"])
+        # the master a fit settles for its workers (update_scale), as the trainer sends it
+        self.spec = cloudpickle.dumps(JobSpec(self.net.definition(), self.net.token,
+                                              master.for_workers(len(self.workers)), self.urls))
         self.state = state_to_arrays(self.net.state)
         self.id = uuid.uuid4().hex[:12]
-        self.workers = sorted(client.scheduler_info()["workers"])
 
     async def setup(self, workers):
         await setup_workers(self.client, workers, self.id, self.spec, self.state)
@@ -227,7 +230,7 @@ def test_a_share_owner_that_cannot_be_reached_is_named_and_the_survivors_average
 
 
 def test_three_workers_sgd_frequency_one_equals_synchronous_large_batch_sgd(client3, make_net, digits):
-    # The whole job with shares: averaging three SGD steps is one step on their union.
+    # The whole job with shares: averaging three SGD steps is one step on their union (at 3x the rate).
     batches, net, trainer = _sgd_job(client3, make_net, digits)
     trainer.fit(batches)
     assert all(s["workers"] == 3 for s in trainer.last_fit_stats)
@@ -246,12 +249,13 @@ def _sgd_job(client, make_net, digits):
 
 
 def _assert_equals_synchronous_sgd(net, make_net, batches, workers=3):
-    """Averaging ``workers`` SGD steps (lr 0.1) each round is one step on their union."""
+    """Averaging ``workers`` SGD steps (lr 0.1) each round, scaled by the workers (the default
+    ``update_scale``), is one step on their union at the rate times the workers (the linear rule)."""
     import optax
 
     from dlspark import DataSet
 
-    sync = make_net(updater=optax.sgd(0.1))
+    sync = make_net(updater=optax.sgd(0.1 * workers))
     sync.fit([DataSet.merge(batches[i:i + workers]) for i in range(0, len(batches), workers)])
     for x, y in zip(_leaves(net.state), _leaves(sync.state)):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

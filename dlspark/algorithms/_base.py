@@ -145,6 +145,11 @@ class Algorithm(abc.ABC):
     def steps_per_round(self) -> int:
         """Minibatches each worker fits in a round (a round ends with the algorithm's exchange)."""
 
+    def for_workers(self, n: int) -> "Algorithm":
+        """This master with what depends on the number of replicas settled for a fit on ``n``
+        of them (the master a fit's workers or devices are given); by default itself."""
+        return self
+
     def job_options(self) -> dict:
         """The master's settings the job machine plans from."""
         return {"steps_per_round": self.steps_per_round, "repartition": self.repartition,

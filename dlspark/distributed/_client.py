@@ -17,7 +17,7 @@ import cloudpickle
 import numpy as np
 from distributed.protocol import to_serialize
 
-from .._mesh import divergence
+from .._mesh import divergence, is_averaged, stitch_owners
 from ..checkpoint import read_checkpoint_meta, state_from_arrays, state_to_arrays
 from ..errors import CheckpointError, JobFailedError
 from ._kept import continuing, pull_arrays, sent_bytes, state_digests, thin
@@ -136,6 +136,14 @@ def _leaves_under(state: dict, field: str) -> list:
     return [i for i, leaf in enumerate(state["leaves"]) if leaf["path"].startswith(field)]
 
 
+def _own_updater_arrays(state: dict) -> list:
+    """Indices of ``state``'s updater-state arrays of a floating-point dtype (each replica's own
+    where replicas keep their own updaters; the step counts are left out)."""
+    import jax.numpy as jnp
+
+    return [i for i in _leaves_under(state, ".opt_state") if is_averaged(jnp.dtype(state["leaves"][i]["dtype"]))]
+
+
 async def fetch_state(client, worker, job, step, epoch) -> dict:
     """``{"state": the train state as state_to_arrays gives it, "carried": what the algorithm
     carries}`` of one worker."""
@@ -215,6 +223,8 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             return trainer.network
     net, client = trainer.network, trainer.client
     workers = trainer._workers()
+    # the job's master: what depends on the number of replicas settled for these workers
+    master = master.for_workers(len(workers))
     job = uuid.uuid4().hex[:12]
     def job_spec(algorithm_state):
         return cloudpickle.dumps(JobSpec(net.definition(), net.token, master, refs, loader, storage_options,
@@ -273,12 +283,13 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             source, final, apart, trainer._kept_states = client.sync(
                 _fit_end, client, list(result.workers), job, step, epoch, master.compare_replicas(),
                 [a.nbytes for a in state["arrays"]],
-                _leaves_under(state, ".params"), master.end_params if master.final_mean() else None)
+                _leaves_under(state, ".params"), master.end_params if master.final_mean() else None,
+                _own_updater_arrays(state))
             trainer._kept_master = master
         net.state = state_from_arrays(final["state"], net.state, f"the state from worker {source}")
         trainer.algorithm_state = master.after_fit(trainer.algorithm_state, result, final["carried"], trainer.published)
         trainer._ended = None
-        if master.final_mean() and apart:  # the replicas' parameters combined: no worker holds them
+        if master.final_mean() and len(result.workers) > 1:  # combined and stitched: no worker holds it
             carried = pull_arrays(dict(trainer.algorithm_state))[1]
             trainer._ended = state_digests({"arrays": final["state"]["arrays"], "carried": carried or []})
         if apart is not None:
@@ -370,29 +381,65 @@ def split_fetch(kept: dict, workers, sizes, params=()) -> dict | None:
 async def _fetch_split(client, job, step, epoch, plan: dict, source: str) -> dict:
     """The final state as :func:`fetch_state` gives it, its arrays from the workers of ``plan``
     at once (what the algorithm carries from ``source``, the first of them)."""
-    async def one(w):
-        only = None if w == source else plan[w]
-        return w, checked(await client.rpc(w).dlspark_state(job=job, step=step, epoch=epoch, only=only))
+    async def one(w):  # the source sends its share alone too, and what the algorithm carries
+        return w, checked(await client.rpc(w).dlspark_state(job=job, step=step, epoch=epoch, only=plan.get(w, []),
+                                                             carried=w == source))
 
     got = dict(await asyncio.gather(*[one(w) for w in plan if w != source], one(source)))
     final = got[source]
     arrays = list(final["state"]["arrays"])
     for w, r in got.items():
-        if w != source:
-            for i in plan[w]:
-                arrays[i] = r["state"]["arrays"][i]
+        for i in plan.get(w, []):
+            arrays[i] = r["state"]["arrays"][i]
     if any(a is None for a in arrays):
         raise RuntimeError("a split fetch left arrays of the final state unfetched")
     return {"state": dict(final["state"], arrays=arrays), "carried": final["carried"]}
 
 
-async def _fit_end(client, workers, job, step, epoch, compare: bool, sizes=None, params=(), combine=None):
+async def _stitched_state(client, workers, job, step, epoch, sizes, params, own, combine):
+    """``(source, state, divergence)`` of a fit ending with ``combine`` of the replicas'
+    parameters (see :func:`_combined_state`), its arrays from every worker at once: each sends
+    its parameters, and each array of ``own`` (the updater state's floating-point arrays, each
+    replica's own) comes from the one worker :func:`~dlspark._mesh.stitch_owners` names, as the
+    ParallelWrapper takes it; every other array, and what the algorithm carries, from the first
+    worker, the source. So no link carries a whole state. Raises when a worker is lost since."""
+    owners = stitch_owners([sizes[i] for i in own], sum(sizes[i] for i in params), len(workers))
+    plan = {w: list(params) for w in workers}
+    source = workers[0]
+    taken = dict(zip(own, owners))
+    for i in range(len(sizes)):
+        if i in taken:
+            plan[workers[taken[i]]].append(i)
+        elif i not in plan[source]:
+            plan[source].append(i)
+
+    async def one(w):
+        return checked(await client.rpc(w).dlspark_state(job=job, step=step, epoch=epoch, only=sorted(plan[w]),
+                                                         carried=w == source))
+
+    got = await asyncio.gather(*[one(w) for w in workers])
+    final = got[0]
+    arrays = list(final["state"]["arrays"])
+    for w, r in zip(workers, got):
+        for i in plan[w]:
+            if i not in params:
+                arrays[i] = r["state"]["arrays"][i]
+    replicas = [[r["state"]["arrays"][i] for i in params] for r in got]
+    for i, a in zip(params, combine(replicas)):
+        arrays[i] = np.asarray(a, dtype=np.asarray(arrays[i]).dtype)
+    if any(a is None for a in arrays):
+        raise RuntimeError("a stitched fetch left arrays of the final state unfetched")
+    return source, {**final, "state": dict(final["state"], arrays=arrays)}, divergence(replicas)
+
+
+async def _fit_end(client, workers, job, step, epoch, compare: bool, sizes=None, params=(), combine=None, own=()):
     """``(source, state, divergence, kept)``: every replica keeps its state (:func:`_keep_states`),
     then the client takes the source's. Where other replicas hold arrays of it bit for bit (the
     kept digests say which), each array comes from one of its holders, so that the bytes leave
     over several links at once; otherwise, with ``combine`` (the master's ``end_params``),
-    :func:`_combined_state`, else :func:`_final_state` (``sizes``: bytes per array of the state;
-    ``params``: the parameters' indices among them)."""
+    :func:`_stitched_state` (or, a worker lost since, :func:`_combined_state`), else
+    :func:`_final_state` (``sizes``: bytes per array of the state; ``params``: the parameters'
+    indices among them; ``own``: the updater state's floating-point arrays' indices)."""
     kept = await _keep_states(client, workers, job, step, epoch)
     plan = None if sizes is None else split_fetch(kept, workers, sizes, params)
     if plan is not None:
@@ -405,6 +452,12 @@ async def _fit_end(client, workers, job, step, epoch, compare: bool, sizes=None,
             # every replica's parameters are the source's bit for bit (split_fetch checked)
             return source, final, (0.0 if compare else None), kept
     if combine is not None and len(workers) > 1 and params:
+        if sizes is not None:
+            try:
+                return (*await _stitched_state(client, workers, job, step, epoch, sizes, params, own, combine), kept)
+            except Exception as e:  # a worker lost since: the first live one's state, the others' parameters
+                logger.info("dlspark job %s: a stitched fetch of the final state failed (%s); fetching it from "
+                            "the first worker that answers", job, e)
         return (*await _combined_state(client, workers, job, step, epoch, params, combine), kept)
     ended = await _final_state(client, workers, job, step, epoch, compare)
     return (*ended, kept)

@@ -187,11 +187,11 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         return await run.peer(request, **kw)
 
     async def _state(self, job: str, step: int | None = None, epoch: int | None = None, params: bool = False,
-                     only: list | None = None):
+                     only: list | None = None, carried: bool = False):
         """The job's train state and what its algorithm carries; with ``params``, only the
         parameters' leaves (a third of the state under Adam: a peer comparing replicas needs no more).
-        ``only``: the indices of the state's arrays to send (the others None, nothing carried):
-        the client takes a state that several replicas hold from all of them at once."""
+        ``only``: the indices of the state's arrays to send (the others None; what the algorithm
+        carries only with ``carried``): the client takes a final state from several replicas at once."""
         run = self._job(job)
         if params:
             import jax
@@ -203,7 +203,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         if only is not None:
             wanted = set(only)
             state = dict(out["state"], arrays=[a if i in wanted else None for i, a in enumerate(out["state"]["arrays"])])
-            return {"state": to_serialize(state), "carried": None}
+            return {"state": to_serialize(state), "carried": to_serialize(out["carried"]) if carried else None}
         return {"state": to_serialize(out["state"]), "carried": to_serialize(out["carried"])}
 
     async def _keep(self, job: str, step: int | None = None, epoch: int | None = None):

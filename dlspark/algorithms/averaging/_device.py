@@ -27,7 +27,7 @@ from ...distributed._plan import Coordinator
 from ...network import one_shape
 from ...stats._record import RoundStats, iteration_rows
 from ._messages import AveragingFigures
-from ._numerics import averaged_indices, averaged_part, outer_step, start_round
+from ._numerics import averaged_indices, averaged_part, outer_step, round_steps, settled_scale, start_round
 
 __all__ = ["AveragingDeviceRun"]
 
@@ -123,12 +123,13 @@ class _Rounds:
             self._thread.join()
 
 
-def _policy_step(net, stacked: bool = False):
-    """The step a replica runs: under ``on_nonfinite="skip"`` ``train_step``, whose guard
+def _policy_step(net, master, stacked: bool = False):
+    """The step a replica runs (its updates times the master's ``update_scale``): under
+    ``on_nonfinite="skip"`` ``train_step``, whose guard
     leaves a bad step out; else ``checked_step``, which only flags it (the fit then raises
     and leaves the network as it was, so there is nothing to undo). ``stacked``: the same
     over stacked minibatches."""
-    steps = net.steps
+    steps = round_steps(net, settled_scale(master))
     if net.on_nonfinite == "skip":
         return steps.train_steps if stacked else steps.train_step
     return steps.checked_steps if stacked else steps.checked_step
@@ -138,7 +139,7 @@ def _round_function(net, master, exchange, fit: bool):
     """The compiled round: with ``fit``, every replica starts the round and runs its stacked
     minibatches, then the replicas average and take the outer step; without, the replicas
     (already fitted) only average."""
-    tx, run_steps = master.outer_updater, _policy_step(net, stacked=True)
+    tx, run_steps = master.outer_updater, _policy_step(net, master, stacked=True)
 
     def before(state, outer, batches, start, epoch, contributes, n):
         st, ost = first(state), first(outer)
@@ -172,7 +173,7 @@ def _step_function(net, master, exchange, first_step: bool, donate: bool):
     """One step on every device (``fused_steps=False``); the round's first starts the round.
     With ``donate`` the step writes the new state over the old one's buffers, as a worker's
     step does, rather than holding two states per device."""
-    step = _policy_step(net)
+    step = _policy_step(net, master)
 
     def local(state, batch, epoch):
         st = first(state)
@@ -315,7 +316,7 @@ class AveragingDeviceRun:
         each replica steps on its own device, as a cluster worker does, then one compiled call
         averages."""
         net, master, ex = self.net, self.master, self.exchange
-        step = _policy_step(net)
+        step = _policy_step(net, master)
         parts, losses, oks = [], [], []
         for r, dev in enumerate(ex.devices):
             mine = jax.tree_util.tree_map(lambda x: by_device(x)[dev], state)

@@ -155,6 +155,39 @@ def start_round(state, updater, save_updater: bool, epoch):
     return state.replace(epoch=jnp.asarray(epoch, jnp.int32))
 
 
+def scaled_updater(updater, factor: float):
+    """``updater`` with every update it gives multiplied by ``factor``: for an optax optimizer
+    whose learning rate scales its update last (Adam, SGD with momentum, ...), the same
+    optimizer at ``factor`` times its rate. Its state is ``updater``'s, leaf for leaf."""
+    def update(updates, state, params=None):
+        updates, state = updater.update(updates, state, params)
+        return jax.tree_util.tree_map(lambda u: u * factor, updates), state
+
+    return optax.GradientTransformation(updater.init, update)
+
+
+def settled_scale(master) -> float:
+    """The master's ``update_scale`` as a number: a fit's workers and devices get a master
+    settled for their count (``for_workers``)."""
+    if master.update_scale == "workers":
+        raise ValueError('update_scale="workers" is settled when a fit starts (master.for_workers(n)); '
+                         "this master was handed to a run unsettled")
+    return float(master.update_scale)
+
+
+def round_steps(net, update_scale: float):
+    """The network's step functions with its updater's updates times ``update_scale``: the
+    network's own at 1, else built once per scale and kept with the network."""
+    if update_scale == 1:
+        return net.steps
+    kept = net.__dict__.setdefault("_scaled_steps", {})
+    if update_scale not in kept:
+        from ...network import build_steps
+
+        kept[update_scale] = build_steps(net.model, net._loss, scaled_updater(net.updater, update_scale))
+    return kept[update_scale]
+
+
 # -- the outer optimizer (DiLoCo) --------------------------------------------------
 def outer_step(tx, start, mean, state):
     """One outer step: the round-start parameters ``start`` minus the workers' ``mean`` is the

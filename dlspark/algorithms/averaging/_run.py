@@ -25,8 +25,8 @@ from ...distributed._run import WorkerRun
 from ...distributed._messages import FitReply, Unavailable
 from ...network import one_shape
 from ._messages import AverageOrder, AverageReply, Contribution, Share, SharedContribution
-from ._numerics import (assemble, average_on_device, average_share, averaged_indices, outer_step, share_bounds,
-                        share_pieces, start_round, take_share)
+from ._numerics import (assemble, average_on_device, average_share, averaged_indices, outer_step, round_steps,
+                        settled_scale, share_bounds, share_pieces, start_round, take_share)
 
 __all__ = ["AveragingRun"]
 
@@ -58,6 +58,7 @@ class AveragingRun(WorkerRun):
         self.ready: dict = {}
         # the leaves a round's mean takes, and so the only ones a contribution carries
         self.mixed = averaged_indices(self.state, self.master.save_updater)
+        self.update_scale = settled_scale(self.master)
         tx = self.master.outer_updater
         self.outer = None if tx is None else _outer_function(self.net, tx)
         carried = spec.algorithm_state.get("outer_state")
@@ -119,7 +120,7 @@ class AveragingRun(WorkerRun):
 
     # -- compute (the job's compute thread) --------------------------------------------
     def _fit(self, refs, epoch, next_refs):
-        steps = self.net.steps
+        steps = round_steps(self.net, self.update_scale)
         state = start_round(self.state, self.net.updater, self.master.save_updater, epoch)
         # The steps apply their updates unchecked (train_step's select over the whole state
         # costs more than the update itself on a large network: 2.5 ms of a 15 ms step with

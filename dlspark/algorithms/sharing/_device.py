@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ..._mesh import FitOutcome, replica_rngs
+from ..._mesh import FitOutcome, replica_rngs, stitched_updater_state
 from ...distributed._plan import Coordinator
 from ...stats._record import RoundStats, iteration_rows
 from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, encode_scratch
@@ -210,8 +210,10 @@ class _Replicas:
         else:
             self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
             self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
-        if carry is not None:  # each replica goes on where it stopped; replica 0's state is the network's
-            self.states = [s if i == 0 else s.replace(opt_state=carry.opt_states[i]) for i, s in enumerate(self.states)]
+        if carry is not None:  # each replica goes on where it stopped (the network's updater state is stitched)
+            # copies: the network's state may hold some of these very buffers, and the steps donate them
+            self.states = [s.replace(opt_state=jax.device_put(o, d, may_alias=False))
+                           for s, o, d in zip(self.states, carry.opt_states, self.devices)]
             if carry.params is not None:  # its own parameters, the first replica's too (the network may hold a mean)
                 self.states = [s.replace(params=jax.device_put(p, d, may_alias=False))
                                for s, p, d in zip(self.states, carry.params, self.devices)]
@@ -414,7 +416,8 @@ class SharingDeviceRun:
                         reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + after, prog)
             final = reps.states[0]
             if master.final_mean() and n_dev > 1:  # the replicas' mean, as the cluster's client takes it
-                final = final.replace(params=master.end_params(jax.device_get([s.params for s in reps.states])))
+                final = final.replace(params=master.end_params(jax.device_get([s.params for s in reps.states])),
+                                      opt_state=stitched_updater_state(reps.states))
             final = jax.device_put(final.replace(step=np.int32(base_step + trained), epoch=np.int32(base_epoch + epochs)),
                                    home)
             if master.replicas_continue():
