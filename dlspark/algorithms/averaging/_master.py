@@ -71,9 +71,10 @@ class ParameterAveraging(Algorithm):
         DL4J's averaging (and what ``dlspark.compat`` builds); set it when the rate you give
         is already scaled for the workers. Measured on the parity suite (eight tasks, Adam,
         seeds 0-9): the mean of unscaled steps ends 3.7 points below one process on average
-        over the suite at 2 workers and 12.9 at 4, the scaled ones within a point on every
-        task at 2 workers and on seven of eight at 4. Larger multiples are not measured; the
-        linear rule is known to want a warm-up of the rate there.
+        over the suite at 2 workers and 12.9 at 4, the scaled ones within a point of it on
+        every task at 2 and 4 workers. Larger multiples are not measured; the linear rule is
+        known to want a warm-up of the rate there. The scale is the worker count at the
+        fit's start, kept if workers are lost or join.
     outer_updater : optax.GradientTransformation, optional
         An outer optimizer (DiLoCo, arXiv 2311.08105): at each averaging the
         round-start parameters minus the workers' mean is taken as a gradient
