@@ -119,6 +119,9 @@ OPTIONS = {
                                                      "lr_scale": "sqrt", **UNSCALED}),
     "averaging-f50-nesterov-lr-linear": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
                                                        "lr_scale": "linear", **UNSCALED}),
+    # averaging at 50 with the outer step under today's defaults (the updates scaled with the
+    # workers): the suite's third target, measured again after update_scale="workers"
+    "averaging-f50-nesterov-scaled": ("averaging", {"averaging_frequency": 50, "outer": "nesterov"}),
     # averaging whose outer step applies the sum of the workers' moves rather than their mean
     # (optax.sgd at a rate of n workers): n workers' rounds move the parameters as far as one
     # process's steps over the same minibatches would, as gradient sharing's sum of updates does

@@ -127,7 +127,9 @@ class GradientSharing(Algorithm):
         What the network's parameters are at a fit's end when the replicas differ
         (``own_update="whole"``). ``"mean"`` (the default): the mean of the replicas'
         parameters (every worker sends its parameters once at the fit's end; the
-        replicas themselves go on from their own in a fit that continues). ``"first"``:
+        network's updater state is stitched, each floating-point array one replica's,
+        spread so that the workers send about equal bytes; the replicas themselves go on
+        from their own in a fit that continues). ``"first"``:
         the first replica's. On the parity suite at 4 workers the mean took the
         suite's average from -1.59 points against one process to -0.35. Under
         ``own_update="encoded"`` the fit ends with the first replica's. A checkpoint
