@@ -67,6 +67,9 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert v in bench_suite.LR_SCALES, name
             elif k == "outer":  # a named outer updater, made when the run starts
                 assert master.outer_updater is not None, name
+            elif k == "outer_rate":  # an outer SGD step at a rate of the workers: it applies their moves' sum
+                moved, _ = master.outer_updater.update(np.ones(3), master.outer_updater.init(np.ones(3)))
+                np.testing.assert_allclose(np.asarray(moved), -2.0 * np.ones(3), err_msg=name)
             elif k == "band":  # an adaptive threshold's sparsity band
                 t = master.threshold_algorithm
                 assert (t.min_sparsity, t.max_sparsity) == tuple(v), name
@@ -87,6 +90,10 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
     assert table["rows"][0][:6] == ["cancer", "sharing-encoded", "sharing", 2, 2, "-1.00"]
     assert table["rows"][1][:6] == ["cancer", "sharing-masking", "sharing-encoded", 2, 2, "+2.50"]
     assert bench_suite.options_table([r for r in results if r["run"] == "sharing"]) is None
+    # averaging's options measured under its former default (unscaled updates) are paired with it
+    assert bench_suite.against("averaging-lr-linear") == "averaging-unscaled" == bench_suite.against("averaging-sum")
+    assert bench_suite.against("localsgd-f50-nesterov") == "averaging-unscaled"
+    assert bench_suite.against("averaging-unscaled") == "averaging" == bench_suite.against("averaging-f50-nesterov-scaled")
 
 
 def test_a_learning_rate_scaling_option_scales_adams_rate_with_the_workers():
