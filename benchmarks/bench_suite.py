@@ -119,9 +119,10 @@ OPTIONS = {
                                                      "lr_scale": "sqrt", **UNSCALED}),
     "averaging-f50-nesterov-lr-linear": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
                                                        "lr_scale": "linear", **UNSCALED}),
-    # averaging at 50 with the outer step under today's defaults (the updates scaled with the
-    # workers): the suite's third target, measured again after update_scale="workers"
-    "averaging-f50-nesterov-scaled": ("averaging", {"averaging_frequency": 50, "outer": "nesterov"}),
+    # averaging at 50 with the outer step and the updates scaled with the workers (as the default
+    # scales them without an outer step; under one, update_scale="workers" is 1)
+    "averaging-f50-nesterov-scaled": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
+                                                    "update_scale_workers": True}),
     # averaging whose outer step applies the sum of the workers' moves rather than their mean
     # (optax.sgd at a rate of n workers): n workers' rounds move the parameters as far as one
     # process's steps over the same minibatches would, as gradient sharing's sum of updates does
@@ -390,12 +391,15 @@ def run_setup(task, train, seed, run, workers):
     """``(network, master)`` of a distributed run: the run's options go to its master, but for
     ``lr_scale``, which scales the network's learning rate with the workers, and
     ``threshold_lr``, a fixed threshold of that many times the task's learning rate, and
-    ``outer_rate="workers"``, an outer SGD step at a rate of the workers."""
+    ``outer_rate="workers"``, an outer SGD step at a rate of the workers, and
+    ``update_scale_workers``, the updates times the workers whatever the master's default."""
     import dlspark
 
     algorithm, options = RUNS[run]
     options = dict(options)
     scale = options.pop("lr_scale", None)
+    if options.pop("update_scale_workers", False):
+        options["update_scale"] = float(workers)
     if options.pop("outer_rate", None) == "workers":
         import optax
 

@@ -67,6 +67,8 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert v in bench_suite.LR_SCALES, name
             elif k == "outer":  # a named outer updater, made when the run starts
                 assert master.outer_updater is not None, name
+            elif k == "update_scale_workers":  # the updates times the workers, an outer step or not
+                assert master.update_scale == 2.0, name
             elif k == "outer_rate":  # an outer SGD step at a rate of the workers: it applies their moves' sum
                 moved, _ = master.outer_updater.update(np.ones(3), master.outer_updater.init(np.ones(3)))
                 np.testing.assert_allclose(np.asarray(moved), -2.0 * np.ones(3), err_msg=name)

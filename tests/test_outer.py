@@ -196,6 +196,10 @@ def test_update_scale_is_settled_for_the_workers_before_a_run():
     master = ParameterAveraging()
     assert master.update_scale == "workers" and master.for_workers(3).update_scale == 3.0
     assert ParameterAveraging(update_scale=0.5).for_workers(3).update_scale == 0.5
+    # under an outer optimizer the outer step sets how far a round moves: the inner rate is one worker's
+    outer = ParameterAveraging(outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
+    assert outer.for_workers(3).update_scale == 1.0
+    assert ParameterAveraging(outer_updater=optax.sgd(1.0), update_scale=3.0).for_workers(3).update_scale == 3.0
     from dlspark.algorithms.averaging._numerics import settled_scale
 
     with pytest.raises(ValueError, match="settled when a fit starts"):
