@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ..._mesh import FitOutcome, replica_rngs, stitched_updater_state
+from ..._mesh import FitOutcome, divergence, replica_rngs, stitched_updater_state
 from ...distributed._plan import Coordinator
 from ...stats._record import RoundStats, iteration_rows
 from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, encode_scratch
@@ -415,9 +415,12 @@ class SharingDeviceRun:
                         prog = dict(progress, epoch=epochs_done + after, epochs_total=epochs_total)
                         reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + after, prog)
             final = reps.states[0]
-            if master.final_mean() and n_dev > 1:  # the replicas' mean, as the cluster's client takes it
-                final = final.replace(params=master.end_params(jax.device_get([s.params for s in reps.states])),
-                                      opt_state=stitched_updater_state(reps.states))
+            params = jax.device_get([s.params for s in reps.states]) if master.final_mean() and n_dev > 1 else []
+            if params and divergence(params) > 0:
+                # the replicas' mean and the stitched updater state, as the cluster's client takes them
+                # (replicas with the same parameters end as the first: there the client takes each
+                # array from a worker that holds the first's bits)
+                final = final.replace(params=master.end_params(params), opt_state=stitched_updater_state(reps.states))
             final = jax.device_put(final.replace(step=np.int32(base_step + trained), epoch=np.int32(base_epoch + epochs)),
                                    home)
             if master.replicas_continue():
