@@ -173,12 +173,13 @@ class WorkerRun:
         await self.compute(write)
         return Ack()
 
-    async def dump_state(self, step=None, epoch=None) -> dict:
+    async def dump_state(self, step=None, epoch=None, for_joiner: bool = False) -> dict:
         """The train state as :func:`~dlspark.checkpoint.state_to_arrays` gives it (with the
-        counters the client asks for), and what the algorithm carries beside it."""
+        counters the client asks for), and what the algorithm carries beside it; with
+        ``for_joiner``, the state a worker joining mid-fit starts from (:meth:`joiner_state`)."""
 
         def dump():
-            st = self.state
+            st = self.joiner_state() if for_joiner else self.state
             if step is not None:
                 st = st.replace(step=jnp.asarray(step, jnp.int32))
             if epoch is not None:
@@ -191,6 +192,11 @@ class WorkerRun:
     def carried_state(self):
         """What this worker's algorithm hands back to the client at the end of a job (host arrays)."""
         return None
+
+    def joiner_state(self):
+        """The train state a worker joining mid-fit starts from, taken from this one's (on the
+        compute thread): by default this replica's own."""
+        return self.state
 
     def adopt(self, carried):
         """Take over what a live peer's algorithm carries (a worker joining mid-fit)."""

@@ -168,7 +168,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
     async def _join(self, job: str, source: str, spec: bytes, rank: int):
         """Set up a job on a worker that arrived mid-fit, from a live peer's current state."""
-        resp = await call_peer(self.worker, source, "dlspark_state", job=job)
+        resp = await call_peer(self.worker, source, "dlspark_state", job=job, joiner=True)
         if "error" in resp:
             raise RuntimeError(f"could not get job {job!r}'s state from {source}: {resp['error'].text}")
         run = await self._install(job, spec, resp["state"], rank)
@@ -187,11 +187,12 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         return await run.peer(request, **kw)
 
     async def _state(self, job: str, step: int | None = None, epoch: int | None = None, params: bool = False,
-                     only: list | None = None, carried: bool = False):
+                     only: list | None = None, carried: bool = False, joiner: bool = False):
         """The job's train state and what its algorithm carries; with ``params``, only the
         parameters' leaves (a third of the state under Adam: a peer comparing replicas needs no more).
         ``only``: the indices of the state's arrays to send (the others None; what the algorithm
-        carries only with ``carried``): the client takes a final state from several replicas at once."""
+        carries only with ``carried``): the client takes a final state from several replicas at once.
+        ``joiner``: the state a worker joining mid-fit starts from (``WorkerRun.joiner_state``)."""
         run = self._job(job)
         if params:
             import jax
@@ -199,7 +200,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
             leaves = await run.compute(lambda: [np.asarray(x) for x in jax.tree_util.tree_leaves(run.state.params)])
             return {"params": to_serialize(leaves)}
-        out = await run.dump_state(step, epoch)
+        out = await run.dump_state(step, epoch, for_joiner=joiner)
         if only is not None:
             wanted = set(only)
             state = dict(out["state"], arrays=[a if i in wanted else None for i, a in enumerate(out["state"]["arrays"])])

@@ -36,6 +36,9 @@ class SharingRun(WorkerRun):
                                for p in targets], return_exceptions=True)
         self.stats.add("push", t0, self.stats.now(), "comms", bytes=int(message.nbytes) * len(targets), step=step)
 
+    def joiner_state(self):
+        return self.sharing.for_joiner(self.state)
+
     def replica_extra(self):
         return self.sharing.replica_extra()
 

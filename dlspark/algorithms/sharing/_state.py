@@ -260,6 +260,17 @@ class SharingState:
         self.relayed = 0
         fns = sharing_functions(job.net)
         self.update, self.apply_flat, self.add_flat = fns.update, fns.apply_flat, fns.add_flat
+
+    def for_joiner(self, state):
+        """The train state a worker joining mid-fit starts from, given this replica's ``state``:
+        under the whole own update its parameters less its residual (what every replica holds
+        in common; the joiner starts with no residual, and this replica's residual reaches it in
+        this replica's later messages, so it is not counted twice); under the encoded one the
+        parameters as they are (every replica holds the same)."""
+        if not self.own_whole:
+            return state
+        flat, unravel = ravel_pytree(state.params)
+        return state.replace(params=unravel(flat - jnp.asarray(self.residual, flat.dtype)))
         self.mask_momentum = fns.mask_momentum
 
     # -- inbox (event loop thread) -----------------------------------------------
