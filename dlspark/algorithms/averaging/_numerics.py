@@ -181,11 +181,11 @@ def round_steps(net, update_scale: float):
     if update_scale == 1:
         return net.steps
     kept = net.__dict__.setdefault("_scaled_steps", {})
-    if update_scale not in kept:
+    if update_scale not in kept or kept[update_scale][0] is not net.updater:  # built for this updater
         from ...network import build_steps
 
-        kept[update_scale] = build_steps(net.model, net._loss, scaled_updater(net.updater, update_scale))
-    return kept[update_scale]
+        kept[update_scale] = (net.updater, build_steps(net.model, net._loss, scaled_updater(net.updater, update_scale)))
+    return kept[update_scale][1]
 
 
 # -- the outer optimizer (DiLoCo) --------------------------------------------------
