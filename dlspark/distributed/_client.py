@@ -378,22 +378,30 @@ def split_fetch(kept: dict, workers, sizes, params=()) -> dict | None:
     return {w: sorted(ix) for w, ix in plan.items() if ix} if sum(1 for ix in plan.values() if ix) > 1 else None
 
 
-async def _fetch_split(client, job, step, epoch, plan: dict, source: str) -> dict:
-    """The final state as :func:`fetch_state` gives it, its arrays from the workers of ``plan``
-    at once (what the algorithm carries from ``source``, the first of them)."""
-    async def one(w):  # the source sends its share alone too, and what the algorithm carries
-        return w, checked(await client.rpc(w).dlspark_state(job=job, step=step, epoch=epoch, only=plan.get(w, []),
-                                                             carried=w == source))
+async def _fetch_shares(client, job, step, epoch, plan: dict, source: str):
+    """``(replies, arrays)``: every worker of ``plan`` sends, all at once, the arrays of its final
+    state that ``plan`` names (``{worker: [array indices]}``; ``source`` also what the algorithm
+    carries); ``replies`` by worker, and ``arrays`` the state's arrays, each from a worker that
+    sent it (None where none did)."""
+    async def one(w):
+        return w, checked(await client.rpc(w).dlspark_state(job=job, step=step, epoch=epoch,
+                                                             only=sorted(plan.get(w, [])), carried=w == source))
 
     got = dict(await asyncio.gather(*[one(w) for w in plan if w != source], one(source)))
-    final = got[source]
-    arrays = list(final["state"]["arrays"])
+    arrays = list(got[source]["state"]["arrays"])
     for w, r in got.items():
         for i in plan.get(w, []):
             arrays[i] = r["state"]["arrays"][i]
+    return got, arrays
+
+
+async def _fetch_split(client, job, step, epoch, plan: dict, source: str) -> dict:
+    """The final state as :func:`fetch_state` gives it, its arrays from the workers of ``plan``
+    at once (what the algorithm carries from ``source``, the first of them)."""
+    got, arrays = await _fetch_shares(client, job, step, epoch, plan, source)
     if any(a is None for a in arrays):
         raise RuntimeError("a split fetch left arrays of the final state unfetched")
-    return {"state": dict(final["state"], arrays=arrays), "carried": final["carried"]}
+    return {"state": dict(got[source]["state"], arrays=arrays), "carried": got[source]["carried"]}
 
 
 async def _stitched_state(client, workers, job, step, epoch, sizes, params, own, combine):
@@ -403,32 +411,18 @@ async def _stitched_state(client, workers, job, step, epoch, sizes, params, own,
     replica's own) comes from the one worker :func:`~dlspark._mesh.stitch_owners` names, as the
     ParallelWrapper takes it; every other array, and what the algorithm carries, from the first
     worker, the source. So no link carries a whole state. Raises when a worker is lost since."""
-    owners = stitch_owners([sizes[i] for i in own], sum(sizes[i] for i in params), len(workers))
-    plan = {w: list(params) for w in workers}
     source = workers[0]
-    taken = dict(zip(own, owners))
-    for i in range(len(sizes)):
-        if i in taken:
-            plan[workers[taken[i]]].append(i)
-        elif i not in plan[source]:
-            plan[source].append(i)
-
-    async def one(w):
-        return checked(await client.rpc(w).dlspark_state(job=job, step=step, epoch=epoch, only=sorted(plan[w]),
-                                                         carried=w == source))
-
-    got = await asyncio.gather(*[one(w) for w in workers])
-    final = got[0]
-    arrays = list(final["state"]["arrays"])
-    for w, r in zip(workers, got):
-        for i in plan[w]:
-            if i not in params:
-                arrays[i] = r["state"]["arrays"][i]
-    replicas = [[r["state"]["arrays"][i] for i in params] for r in got]
+    plan = {w: list(params) for w in workers}
+    for i, r in zip(own, stitch_owners([sizes[i] for i in own], sum(sizes[i] for i in params), len(workers))):
+        plan[workers[r]].append(i)
+    plan[source] += sorted(set(range(len(sizes))) - set(params) - set(own))
+    got, arrays = await _fetch_shares(client, job, step, epoch, plan, source)
+    replicas = [[got[w]["state"]["arrays"][i] for i in params] for w in workers]
     for i, a in zip(params, combine(replicas)):
         arrays[i] = np.asarray(a, dtype=np.asarray(arrays[i]).dtype)
     if any(a is None for a in arrays):
         raise RuntimeError("a stitched fetch left arrays of the final state unfetched")
+    final = got[source]
     return source, {**final, "state": dict(final["state"], arrays=arrays)}, divergence(replicas)
 
 
