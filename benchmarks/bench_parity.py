@@ -24,7 +24,8 @@ this row tells that effect of the batch from one of distribution. The acceptance
 (``within``) is against the single process at 16; the last column is against this one.
 
 Run ``python benchmarks/bench_parity.py --seeds 10 --workers 2 4`` (``--help`` for the
-options); every result is appended to the JSON file (``--out``) as it comes, so a
+options; ``--runtime wrapper`` trains the distributed runs on a ParallelWrapper over CPU
+devices of this process, the same job without the worker processes); every result is appended to the JSON file (``--out``) as it comes, so a
 partial run still counts, and a run given the same file skips what is in it.
 """
 
@@ -197,6 +198,24 @@ def distributed_fit(client, task, data, seed, algorithm, options):
     return out
 
 
+def wrapper_fit(task, data, seed, algorithm, options, workers):
+    """:func:`distributed_fit` on a :class:`~dlspark.ParallelWrapper` over ``workers`` CPU
+    devices of this process: the same job as on a cluster of that many workers (the two
+    runtimes give the same bits, tests/test_runtimes.py), without a process per worker."""
+    import dlspark
+
+    train, test = data
+    net = make_network(task, train, seed)
+    wrapper = dlspark.ParallelWrapper(net, make_master(algorithm, options), devices=workers, progress=False)
+    wrapper.fit(shuffled(train, seed), epochs=task.epochs)
+    out = {"accuracy": accuracy(net, test), "runtime": "wrapper"}
+    comm = getattr(wrapper, "communication", None)
+    if algorithm == "sharing" and comm and comm.get("dense_bytes"):
+        out.update(bytes_sent=int(comm["bytes_sent"]), dense_bytes=int(comm["dense_bytes"]),
+                   dense_ratio=comm["dense_bytes"] / max(1, comm["bytes_sent"]))
+    return out
+
+
 # -- summary ------------------------------------------------------------------------------------
 def paired(results, task, run, workers, against=("single", 1)):
     """``(mean difference, standard error, n)`` of a run's accuracy minus a reference run's
@@ -259,13 +278,12 @@ def _save(path, results):
     os.replace(tmp, path)  # atomic: a run stopped mid-write leaves the last complete file
 
 
-def run_grid(tasks, seeds, workers, runs, out, extra_runs=None):
+def run_grid(tasks, seeds, workers, runs, out, extra_runs=None, runtime="cluster"):
     """Run every missing (task, run, workers, seed) and append each result to ``out`` as it
-    comes. ``extra_runs`` maps more run names to ``(algorithm, options)``."""
-    from distributed import Client
-
-    from dlspark.cluster import local_cluster
-
+    comes. ``extra_runs`` maps more run names to ``(algorithm, options)``; ``runtime``:
+    the distributed runs on the embedded LocalCluster or on a ParallelWrapper."""
+    if runtime not in ("cluster", "wrapper"):
+        raise ValueError(f"runtime must be 'cluster' or 'wrapper', got {runtime!r}")
     specs = {**RUNS, **OUTER_RUNS, **(extra_runs or {})}
     results = _load(out)
     for r in results:  # results at another budget would be paired with these: refuse
@@ -291,6 +309,19 @@ def run_grid(tasks, seeds, workers, runs, out, extra_runs=None):
             record(t, "single", 1, seed, lambda: single_fit(TASKS[t], data[t], seed))
             for w in workers:  # the second reference: one process at the workers' global minibatch
                 record(t, "single-global", w, seed, lambda: single_fit(TASKS[t], data[t], seed, BATCH * w))
+    if runtime == "wrapper":
+        for w in workers:
+            for seed in range(seeds):
+                for t in tasks:
+                    for run in runs:
+                        algorithm, options = specs[run]
+                        record(t, run, w, seed,
+                               lambda: wrapper_fit(TASKS[t], data[t], seed, algorithm, options, w))
+        return results
+    from distributed import Client
+
+    from dlspark.cluster import local_cluster
+
     for w in workers:
         cluster = local_cluster(w, dashboard_address=None)
         client = Client(cluster)
@@ -352,6 +383,9 @@ def main(argv=None):
     p.add_argument("--epochs", nargs="+", default=[], metavar="TASK=N",
                    help="another epoch budget for a task, e.g. tabular=3 (write to another --out)")
     p.add_argument("--out", default="parity.json")
+    p.add_argument("--runtime", choices=["cluster", "wrapper"], default="cluster",
+                   help="the distributed runs on the embedded LocalCluster (default) or on a ParallelWrapper "
+                        "over as many CPU devices of this process")
     p.add_argument("--table", action="store_true", help="only print the table of the results in --out")
     a = p.parse_args(argv)
     for item in a.epochs:
@@ -360,7 +394,11 @@ def main(argv=None):
             p.error(f"--epochs takes TASK=N with TASK one of {sorted(TASKS)} and N a positive integer, got {item!r}")
         TASKS[task] = replace(TASKS[task], epochs=int(n))
     if not a.table:
-        run_grid(a.tasks, a.seeds, a.workers, a.runs, a.out)
+        if a.runtime == "wrapper":  # before JAX starts its CPU backend
+            import jax
+
+            jax.config.update("jax_num_cpu_devices", max(a.workers))
+        run_grid(a.tasks, a.seeds, a.workers, a.runs, a.out, runtime=a.runtime)
     print(summary_table(_load(a.out)))
 
 
