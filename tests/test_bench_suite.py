@@ -141,6 +141,23 @@ def test_the_wrapper_runtime_trains_the_clusters_job_to_the_same_bits(client2, t
     assert not (tmp_path / "s.json").exists()
 
 
+def test_the_accuracy_benchmarks_wrapper_runtime_trains_the_clusters_job_to_the_same_bits(client2):
+    import dataclasses
+
+    import bench_parity
+
+    task = dataclasses.replace(bench_parity.TASKS["tabular"], epochs=1)
+    data = bench_parity.TASKS["tabular"].data()
+    for algorithm in ("averaging", "sharing"):
+        options = bench_parity.RUNS[algorithm][1]
+        on_cluster = bench_parity.distributed_fit(client2, task, data, 0, algorithm, options)
+        on_devices = bench_parity.wrapper_fit(task, data, 0, algorithm, options, 2)
+        assert on_devices.pop("runtime") == "wrapper"
+        assert on_devices == on_cluster, algorithm
+    with pytest.raises(ValueError, match="runtime must be 'cluster' or 'wrapper'"):
+        bench_parity.run_grid(["tabular"], 1, [2], ["averaging"], "unused.json", runtime="threads")
+
+
 def _one_step(task, run):
     """One minibatch on each of two devices with the XLA encoder, within the run's replaced piece
     of the step if it has one: how far each parameter of the first replica (the network's)
