@@ -321,6 +321,8 @@ class FitOutcome:
     algorithm_state: dict = field(default_factory=dict)
     #: figures the wrapper publishes as they are (e.g. the encoder that ran)
     published: dict = field(default_factory=dict)
+    #: the replicas' divergence where the run already measured it (else the wrapper does)
+    divergence: float | None = None
 
 
 class DeviceRuntime:

@@ -294,7 +294,8 @@ class ParallelWrapper:
         net.state = out.state
         self.algorithm_state = master.after_fit(self.algorithm_state, out, out.carried, self.published)
         if master.compare_replicas():
-            self.published["replica_divergence"] = divergence(out.replica_params)
+            self.published["replica_divergence"] = (divergence(out.replica_params) if out.divergence is None
+                                                    else out.divergence)
         self.published.update(out.published)
         base_epoch = net.epoch - epochs
         self.loss_history.extend((s["round"], base_epoch + s["epoch"], s["loss"]) for s in out.stats)

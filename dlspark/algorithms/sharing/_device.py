@@ -169,6 +169,17 @@ def _same_state(a, b) -> bool:
                           and np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(la[0], lb[0]))
 
 
+def _buffers(tree) -> set:
+    """Where ``tree``'s device arrays keep their data (one address per array's shard)."""
+    return {shard.data.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)
+            for shard in x.addressable_shards}
+
+
+def _on_device(tree, device, held: set):
+    """``tree`` on ``device``, a leaf copied only where its data is in ``held`` (see :func:`_buffers`)."""
+    return jax.tree_util.tree_map(lambda x: jax.device_put(x, device, may_alias=not (_buffers(x) & held)), tree)
+
+
 class _Replicas:
     """The devices' replicas and their sharing state."""
 
@@ -185,8 +196,10 @@ class _Replicas:
         # the host encoder adds the update's pieces to its residual; the XLA one takes it flat
         self.update = fns.update if encoder == "host" else fns.flat_update
         rngs = replica_rngs(net.state.rng, len(self.devices), saved_rngs)
-        # copies (the steps donate them): the network keeps its state until the fit succeeds
-        self.states = [jax.device_put(net.state.replace(rng=rng), d, may_alias=False)
+        # copies (the steps donate them): the network keeps its state until the fit succeeds;
+        # a replica that goes on takes its updater state (and own parameters) from the carry below
+        own = {} if carry is None else {"opt_state": None, **({} if carry.params is None else {"params": None})}
+        self.states = [jax.device_put(net.state.replace(rng=rng, **own), d, may_alias=False)
                        for rng, d in zip(rngs, self.devices)]
         self.opts = replica_options(master, len(self.devices), net.state.opt_state, net.state.params)
         self.mask_momentum = fns.mask_momentum
@@ -211,11 +224,13 @@ class _Replicas:
             self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
             self.zeros = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
         if carry is not None:  # each replica goes on where it stopped (the network's updater state is stitched)
-            # copies: the network's state may hold some of these very buffers, and the steps donate them
-            self.states = [s.replace(opt_state=jax.device_put(o, d, may_alias=False))
+            # the steps donate these buffers: one the network's state holds too is copied, the rest
+            # (the replicas' own, which nothing else holds once the carry is taken) are used as they are
+            held = _buffers(net.state)
+            self.states = [s.replace(opt_state=_on_device(o, d, held))
                            for s, o, d in zip(self.states, carry.opt_states, self.devices)]
             if carry.params is not None:  # its own parameters, the first replica's too (the network may hold a mean)
-                self.states = [s.replace(params=jax.device_put(p, d, may_alias=False))
+                self.states = [s.replace(params=_on_device(p, d, held))
                                for s, p, d in zip(self.states, carry.params, self.devices)]
             self.residuals, self.tstates, self.steps = list(carry.residuals), list(carry.tstates), list(carry.steps)
 
@@ -416,7 +431,8 @@ class SharingDeviceRun:
                         reps.write_checkpoint(checkpoint_url, base_step + trained, base_epoch + after, prog)
             final = reps.states[0]
             params = jax.device_get([s.params for s in reps.states]) if master.final_mean() and n_dev > 1 else []
-            if params and divergence(params) > 0:
+            apart = divergence(params) if params else None
+            if apart:
                 # the replicas' mean and the stitched updater state, as the cluster's client takes them
                 # (replicas with the same parameters end as the first: there the client takes each
                 # array from a worker that holds the first's bits)
@@ -427,7 +443,7 @@ class SharingDeviceRun:
                 rt.sharing_carry = reps.carry(final)
             return FitOutcome(final, stats, replica_params=[s.params for s in reps.states],
                               algorithm_state={"threshold_states": reps.carried_states()},
-                              published={"sharing_encoder": self.encoder})
+                              published={"sharing_encoder": self.encoder}, divergence=apart)
         finally:
             reps.close()
 
