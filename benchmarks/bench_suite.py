@@ -66,7 +66,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_parity import BATCH, _load, _save, make_master, shuffled  # noqa: E402
+from bench_parity import BATCH, RULE_EVERY, RULE_MEAN, _load, _save, make_master, shuffled  # noqa: E402
 
 #: the seeds of the suite: every run of every seed is reported, none is rerun
 SEEDS = tuple(range(10))
@@ -144,6 +144,7 @@ OPTIONS = {
     "sharing-whole-clipping": ("sharing", {"local_gradient_clipping": 1.0}),
     "sharing-whole-masking": ("sharing", {"momentum_masking": True}),
     "sharing-whole-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt"}),
+    "sharing-whole-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
     # a diagnostic, not a dlspark option: gradient sharing with its encoding taken out (every
     # element's whole value sent each step, nothing left in the residual), so that each replica
     # applies the exact sum of every replica's update; it tells what the algorithm's semantics
@@ -157,8 +158,6 @@ RUNS = {**{a: (a, o) for a, o in ALGORITHMS.items()}, **OPTIONS}
 #: at the global minibatch of n workers with Adam's rate times LR_SCALES[scale](n)
 REFERENCES = {"single-global-lr-sqrt": "sqrt", "single-global-lr-linear": "linear"}
 WORKERS = (2, 4)
-#: the rule (points): every task's mean paired difference, and their average over the suite
-RULE_EVERY, RULE_MEAN = -1.0, -0.5
 
 
 # -- models (defined in functions: cloudpickle sends them to the workers by value) -------------
