@@ -236,14 +236,18 @@ def paired(results, task, run, workers, against=("single", 1)):
     return float(d.mean()), se, len(d)
 
 
-def summary_table(results):
-    """A markdown table: per task the single process's mean ± sd, and per run and worker count
-    the mean paired difference ± its standard error (and the bytes ratio for sharing), from
-    the single process and, in the last column, from the single process at the run's global
-    minibatch (``single-global``, whose own rows show their difference from the single process)."""
-    lines = ["| task | run | workers | seeds | accuracy (mean ± sd) | diff from single (mean ± se) | holds | dense/sent "
-             "| diff from single at the global batch (mean ± se) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+#: the summary's columns
+COLUMNS = ["task", "run", "workers", "seeds", "accuracy (mean ± sd)", "diff from single (mean ± se)", "holds",
+           "dense/sent", "diff from single at the global batch (mean ± se)"]
+
+
+def summary_rows(results) -> list:
+    """The summary's rows (see :data:`COLUMNS`): per task the single process's mean ± sd, and per
+    run and worker count the mean paired difference ± its standard error (and the bytes ratio
+    for sharing), from the single process and, in the last column, from the single process at
+    the run's global minibatch (``single-global``, whose own rows show their difference from the
+    single process); then per run and worker count the rule over the tasks."""
+    out = []
     means: dict = {}  # (run, workers) -> the tasks' mean differences (points)
     for task in TASKS:
         rows = [r for r in results if r["task"] == task]
@@ -254,7 +258,7 @@ def summary_table(results):
             sd = acc.std(ddof=1) if len(acc) > 1 else float("nan")
             cell = f"{acc.mean():.4f} ± {sd:.4f}"
             if run == "single":
-                lines.append(f"| {task} | single | 1 | {len(acc)} | {cell} | | | | |")
+                out.append([task, "single", 1, len(acc), cell, "", "", "", ""])
                 continue
             p = paired(results, task, run, w)
             ratio = [r["dense_ratio"] for r in rows if r["run"] == run and r["workers"] == w and "dense_ratio" in r]
@@ -265,13 +269,19 @@ def summary_table(results):
             diff = "" if p is None else f"{100 * p[0]:+.2f} ± {100 * p[1]:.2f} pts"
             g = None if run == "single-global" else paired(results, task, run, w, against=("single-global", w))
             name = f"single at {BATCH * w} a step" if run == "single-global" else run
-            lines.append(f"| {task} | {name} | {w} | {len(acc)} | {cell} | {diff} | {ok} | "
-                         f"{'' if not ratio else f'{min(ratio):.0f}x (min)'} | "
-                         f"{'' if g is None else f'{100 * g[0]:+.2f} ± {100 * g[1]:.2f} pts'} |")
+            out.append([task, name, w, len(acc), cell, diff, ok, "" if not ratio else f"{min(ratio):.0f}x (min)",
+                        "" if g is None else f"{100 * g[0]:+.2f} ± {100 * g[1]:.2f} pts"])
     for (run, w), m in sorted(means.items()):
         holds = "yes" if min(m) >= RULE_EVERY and float(np.mean(m)) >= RULE_MEAN else "no"
-        lines.append(f"| all {len(m)} tasks | {run} | {w} | | | worst {min(m):+.2f}, average {np.mean(m):+.2f} pts "
-                     f"| {holds} | | |")
+        out.append([f"all {len(m)} tasks", run, w, "", "", f"worst {min(m):+.2f}, average {np.mean(m):+.2f} pts",
+                    holds, "", ""])
+    return out
+
+
+def summary_table(results) -> str:
+    """:func:`summary_rows` as a markdown table."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in summary_rows(results)]
     return "\n".join(lines)
 
 

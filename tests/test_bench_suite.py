@@ -158,6 +158,27 @@ def test_the_accuracy_benchmarks_wrapper_runtime_trains_the_clusters_job_to_the_
         bench_parity.run_grid(["tabular"], 1, [2], ["averaging"], "unused.json", runtime="threads")
 
 
+def test_the_accuracy_benchmark_judges_by_the_suites_rule():
+    import bench_parity
+
+    assert (bench_parity.RULE_EVERY, bench_parity.RULE_MEAN) == (bench_suite.RULE_EVERY, bench_suite.RULE_MEAN)
+
+    def results(diffs):  # the run's accuracy minus the single process's, by task, seeds 0 and 1
+        return [r for task, d in diffs.items() for seed in (0, 1)
+                for r in ({"task": task, "run": "single", "workers": 1, "seed": seed, "accuracy": 0.5 + seed / 10},
+                          {"task": task, "run": "sharing", "workers": 2, "seed": seed, "accuracy": 0.5 + seed / 10 + d})]
+
+    # one task 1.2 points behind fails the rule, one 1.2 points ahead does not (the old rule was two-sided)
+    rows = bench_parity.summary_rows(results({"image": -0.012, "tabular": +0.012}))
+    by_task = {r[0]: r for r in rows if r[1] == "sharing"}
+    assert by_task["image"][6] == "no" and by_task["tabular"][6] == "yes"
+    assert by_task["all 2 tasks"][5] == "worst -1.20, average +0.00 pts" and by_task["all 2 tasks"][6] == "no"
+    # every task within a point, and their average 0.6 behind: the average fails it
+    rows = bench_parity.summary_rows(results({"image": -0.006, "tabular": -0.006}))
+    assert [r[6] for r in rows if r[1] == "sharing"] == ["yes", "yes", "no"]
+    assert bench_parity.summary_table(results({"image": 0.0})).count("\n") == 1 + 2 + 1
+
+
 def _one_step(task, run):
     """One minibatch on each of two devices with the XLA encoder, within the run's replaced piece
     of the step if it has one: how far each parameter of the first replica (the network's)
