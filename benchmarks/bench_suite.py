@@ -72,8 +72,12 @@ from bench_parity import BATCH, RULE_EVERY, RULE_MEAN, _load, _save, make_master
 SEEDS = tuple(range(10))
 #: algorithm -> options: the defaults as shipped (no option is set here)
 ALGORITHMS = {"averaging": {}, "sharing": {}}
+#: no sparsity warm-up at any worker count: what every gradient sharing option measured before
+#: sparsity_warmup="auto" (DGC's warm-up from 4 workers) became the default names, so that a run
+#: again at 4 workers is the run that was measured
+NO_WARMUP = {"sparsity_warmup": ()}
 #: gradient sharing's former default (DL4J's: each replica applies its own encoded messages)
-ENCODED = {"own_update": "encoded"}
+ENCODED = {"own_update": "encoded", **NO_WARMUP}
 #: parameter averaging's former default (DL4J's: the mean of the replicas' unscaled steps)
 UNSCALED = {"update_scale": 1.0}
 #: options measured against the defaults (run name -> (algorithm, its options)); not part of
@@ -81,15 +85,15 @@ UNSCALED = {"update_scale": 1.0}
 OPTIONS = {
     # gradient sharing as DL4J runs it: every replica applies its own encoded messages (the
     # default until own_update="whole" became it, 2026-11-27)
-    "sharing-encoded": ("sharing", {"own_update": "encoded"}),
+    "sharing-encoded": ("sharing", ENCODED),
     # the whole own update ending a fit with the first replica's parameters, not the replicas'
     # mean (the default from its first day until final_params="mean" became it, 2026-11-27)
-    "sharing-first": ("sharing", {"final_params": "first"}),
+    "sharing-first": ("sharing", {"final_params": "first", **NO_WARMUP}),
     # the options below were measured under own_update="encoded" (named in each so that a run
     # again is the run that was measured), and are tabled against sharing-encoded
     "sharing-masking": ("sharing", {"momentum_masking": True, **ENCODED}),
     "sharing-clipping": ("sharing", {"local_gradient_clipping": 1.0, **ENCODED}),
-    "sharing-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625), **ENCODED}),
+    "sharing-warmup": ("sharing", {**ENCODED, "sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
     "sharing-sync": ("sharing", {"max_staleness": 0, **ENCODED}),  # synchronous delivery (the default since 5d37075)
     "sharing-async": ("sharing", {"max_staleness": 4, **ENCODED}),  # DL4J's asynchronous delivery (the default before)
     # a denser adaptive band: 1-5% of the elements a step (the default's is 0.01-1%)
@@ -140,11 +144,17 @@ OPTIONS = {
     # the options above again under today's defaults (each replica's own update whole, the
     # replicas' mean at a fit's end), tabled against them: at 4 workers the tuning tasks hold the
     # rule and two held-out ones miss; does any option move the tuning half, to be checked after?
-    "sharing-whole-band": ("sharing", {"band": (0.01, 0.05)}),
-    "sharing-whole-clipping": ("sharing", {"local_gradient_clipping": 1.0}),
-    "sharing-whole-masking": ("sharing", {"momentum_masking": True}),
-    "sharing-whole-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt"}),
+    # (with no warm-up: measured before the warm-up became the default at 4 workers, and tabled
+    # against sharing-no-warmup, the defaults of their day)
+    "sharing-whole-band": ("sharing", {"band": (0.01, 0.05), **NO_WARMUP}),
+    "sharing-whole-clipping": ("sharing", {"local_gradient_clipping": 1.0, **NO_WARMUP}),
+    "sharing-whole-masking": ("sharing", {"momentum_masking": True, **NO_WARMUP}),
+    "sharing-whole-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt", **NO_WARMUP}),
+    # DGC's sparsity warm-up at every worker count (the default's from 4 workers)
     "sharing-whole-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
+    # no sparsity warm-up at any worker count (the default, sparsity_warmup="auto", is DGC's from
+    # 4 workers since 2026-11-27): at 4 workers the former defaults, at 2 and 3 today's
+    "sharing-no-warmup": ("sharing", NO_WARMUP),
     # a diagnostic, not a dlspark option: gradient sharing with its encoding taken out (every
     # element's whole value sent each step, nothing left in the residual), so that each replica
     # applies the exact sum of every replica's update; it tells what the algorithm's semantics
@@ -540,6 +550,8 @@ def summary(results):
             for run in [a for a in [*RUNS, *REFERENCES] if any(r["task"] == name and r["run"] == a for r in results)]:
                 d = paired_points(results, name, run, w, ("single", 1))
                 g = paired_points(results, name, run, w, ("single-global", w))
+                if not d and not g:  # a run at other worker counts only
+                    continue
                 if d and run not in REFERENCES:  # the rule is the algorithms', not the references'
                     means.setdefault((run, w), []).append(float(np.mean(d)))
                 ratio = [r["dense_bytes"] / max(1, r["bytes_sent"]) for r in results
@@ -708,16 +720,22 @@ def main(argv=None):
             print(table["note"])
 
 
-def against(run: str) -> str:
-    """The run an option is tabled against: its algorithm with defaults; an option measured
-    under a former default, that default's run (``sharing-encoded``, ``averaging-unscaled``);
-    LocalSGD (an algorithm without a run of its own here), averaging's former default, whose
-    rounds it shares."""
+def against(run: str, workers: int = 2) -> str:
+    """The run an option at ``workers`` is tabled against: its algorithm with defaults; an option
+    measured under a former default, that default's run (``sharing-encoded``,
+    ``averaging-unscaled``; ``sharing-no-warmup`` where today's defaults warm the sparsity up,
+    from ``GradientSharing.WARMUP_FROM_WORKERS`` workers); LocalSGD (an algorithm without a run
+    of its own here), averaging's former default, whose rounds it shares."""
+    from dlspark import GradientSharing
+
     algorithm, options = RUNS[run]
     if algorithm == "localsgd":
         return "averaging-unscaled"
     if run != "sharing-encoded" and options.get("own_update") == "encoded":
         return "sharing-encoded"
+    if (run != "sharing-no-warmup" and algorithm == "sharing" and options.get("sparsity_warmup") == ()
+            and workers >= GradientSharing.WARMUP_FROM_WORKERS):
+        return "sharing-no-warmup"
     if run != "averaging-unscaled" and options.get("update_scale") == 1.0:
         return "averaging-unscaled"
     return algorithm
@@ -730,13 +748,13 @@ def options_table(results):
     for name in TASKS:
         for w in sorted({r["workers"] for r in results if r["task"] == name and r["workers"] > 1}):
             for run in OPTIONS:
-                d = paired_points(results, name, run, w, (against(run), w))
+                d = paired_points(results, name, run, w, (against(run, w), w))
                 if d:
                     means.setdefault((run, w), []).append(float(np.mean(d)))
-                    rows.append([name, run, against(run), w, len(d), *_spread(d)])
+                    rows.append([name, run, against(run, w), w, len(d), *_spread(d)])
     if not rows:
         return None
-    rows += [["all tasks (mean of the tasks' means)", run, against(run), w, "", f"{np.mean(m):+.2f}", "",
+    rows += [["all tasks (mean of the tasks' means)", run, against(run, w), w, "", f"{np.mean(m):+.2f}", "",
               f"{min(m):+.2f} / {max(m):+.2f} (tasks)"] for (run, w), m in sorted(means.items())]
     return {"title": "Options against their algorithm with defaults (paired points; positive: the option is better)",
             "columns": ["task", "option", "against", "workers", "seeds", "mean", "se", "min / max"], "rows": rows}

@@ -423,7 +423,8 @@ class _SharedBuilder(_MasterBuilder):
                                     encoding_debug=v["encodingDebugMode"], mesh=mode.value,
                                     # DL4J's workers apply their peers' updates as they arrive, and
                                     # their own as encoded, as their peers do
-                                    max_staleness=ASYNCHRONOUS_STALENESS, own_update="encoded",
+                                    # and send at their threshold from the first step (no warm-up)
+                                    max_staleness=ASYNCHRONOUS_STALENESS, own_update="encoded", sparsity_warmup=(),
                                     **self._common())
         master = SharedTrainingMaster(algorithm, rdd_data_set_num_examples=self._rdd_n or v["batchSizePerWorker"],
                                       storage_level=v["storageLevel"], rng_seed=v["rngSeed"],

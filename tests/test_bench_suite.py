@@ -226,6 +226,11 @@ def test_the_whole_own_update_and_dl4js_send_the_same_bytes_and_move_the_first_r
     assert own_bytes == encoded_bytes > 0
     assert bench_suite.against("sharing-masking") == "sharing-encoded" == bench_suite.against("sharing-band")
     assert bench_suite.against("sharing-encoded") == "sharing" == bench_suite.against("sharing-first")
+    # options measured without the sparsity warm-up: at 4 workers, where the defaults have DGC's,
+    # against the defaults without it
+    assert bench_suite.against("sharing-first", 4) == "sharing-no-warmup" == bench_suite.against("sharing-whole-band", 4)
+    assert bench_suite.against("sharing-no-warmup", 4) == "sharing" == bench_suite.against("sharing-whole-warmup", 4)
+    assert bench_suite.against("sharing-masking", 4) == "sharing-encoded"
     # the default ends with the replicas' mean: where their Adam steps disagree in sign, it
     # moves little
     mean, mean_bytes = _one_step(task, "sharing")

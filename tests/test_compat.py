@@ -123,7 +123,7 @@ def test_builders_take_dl4j_names_and_defaults(digits):
     assert sh.residual_post_processor == ResidualClippingPostProcessor(5.0, 5)
     assert (sh.batch_size_per_worker, sh.worker_prefetch_num_batches, sh.mesh, sh.workers_per_node,
             sh.encoding_debug) == (32, 2, "plain", None, False)
-    assert (sh.max_staleness, sh.own_update) == (4, "encoded")  # DL4J's delivery and own update
+    assert (sh.max_staleness, sh.own_update, sh.sparsity_warmup) == (4, "encoded", ())  # DL4J's, no warm-up
     assert TargetSparsityThresholdAlgorithm() == TargetSparsityThresholdAlgorithm(1e-4, 1e-3, 0.5 ** (1 / 20))
     tm = (SharedTrainingMaster.Builder(16).batchSizePerWorker(8).updatesThreshold(1e-2).workersPerNode(0)
           .residualPostProcessor(NoOpResidualPostProcessor()).encodingDebugMode(True)

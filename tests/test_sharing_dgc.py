@@ -15,7 +15,7 @@ import optax
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from dlspark import GradientSharing, ParallelWrapper
+from dlspark import DistributedTrainer, GradientSharing, ParallelWrapper
 from dlspark.algorithms.sharing import FixedThreshold, NoResidualPostProcessing
 from dlspark.algorithms.sharing._dgc import (DGC_SPARSITY_WARMUP, find_momentum, local_clip_norm, mask_momentum,
                                              sent_elements, threshold_for_density, warmup_density)
@@ -97,16 +97,21 @@ def test_bad_settings_are_named():
         GradientSharing(local_gradient_clipping="1")
     with pytest.raises(ValueError, match=r"sparsity_warmup\[1\] must be a fraction of elements in \(0, 1\], got 2"):
         GradientSharing(sparsity_warmup=(0.5, 2))
-    with pytest.raises(TypeError, match="sparsity_warmup must be a tuple of fractions"):
+    with pytest.raises(TypeError, match='sparsity_warmup must be "auto", a tuple of fractions'):
         GradientSharing(sparsity_warmup=0.25)
+    with pytest.raises(TypeError, match="got 'dgc'"):
+        GradientSharing(sparsity_warmup="dgc")
     m = GradientSharing(momentum_masking=True, local_gradient_clipping=2, sparsity_warmup=[0.5])
     assert (m.local_gradient_clipping, m.sparsity_warmup) == (2.0, (0.5,))
     with pytest.raises(ValueError, match=r"momentum_masking=True .* the network's updater keeps none"):
         replica_options(m, 2, optax.sgd(0.1).init(PARAMS), PARAMS)
     opts = replica_options(m, 4, optax.adam(0.1).init(PARAMS), PARAMS)
     assert opts.clip == np.float32(1.0) and opts.mask_fields == ("mu", "trace") and opts.warmup == (0.5,)
-    defaults = replica_options(GradientSharing(), 2, optax.sgd(0.1).init(PARAMS), PARAMS)
+    defaults = replica_options(GradientSharing().for_workers(2), 2, optax.sgd(0.1).init(PARAMS), PARAMS)
     assert defaults == (None, (), ())
+    # a master whose warm-up is still "auto" has not been settled for its fit's workers
+    with pytest.raises(RuntimeError, match='sparsity_warmup="auto" reached a replica unsettled'):
+        replica_options(GradientSharing(), 2, optax.sgd(0.1).init(PARAMS), PARAMS)
 
 
 # -- on a ParallelWrapper over two CPU devices ----------------------------------------------------
@@ -152,6 +157,51 @@ def test_local_clipping_on_two_devices_reaches_each_replicas_update(make_net, di
         np.testing.assert_array_equal(a, b)
     assert any((np.asarray(a) != np.asarray(b)).any() for a, b in
                zip(jax.tree_util.tree_leaves(free.state.params), jax.tree_util.tree_leaves(start)))
+
+
+def test_the_default_warmup_is_dgcs_from_four_workers_and_none_below(make_net, digits, monkeypatch):
+    m = GradientSharing()
+    assert m.sparsity_warmup == "auto" and GradientSharing.WARMUP_FROM_WORKERS == 4
+    assert m.for_workers(4).sparsity_warmup == GradientSharing.DGC_SPARSITY_WARMUP == m.for_workers(9).sparsity_warmup
+    assert m.for_workers(3).sparsity_warmup == () == m.for_workers(2).sparsity_warmup
+    chosen = GradientSharing(sparsity_warmup=(0.5,))
+    assert chosen.for_workers(8) is chosen and GradientSharing(sparsity_warmup=()).for_workers(8).sparsity_warmup == ()
+    # a fit's replicas run the settled master: with the default, the fit of the warm-up its
+    # devices' count calls for, bit for bit (the count moved to the 2 devices here)
+    tr, _ = digits
+
+    def fit(master):
+        net = make_net()
+        ParallelWrapper(net, master, CPU2, progress=False).fit(tr[:256], epochs=1)
+        return np.asarray(ravel_pytree(net.state.params)[0])
+
+    base = dict(batch_size_per_worker=16, steps_per_round=4)
+    dgc = fit(GradientSharing(sparsity_warmup=GradientSharing.DGC_SPARSITY_WARMUP, **base))
+    none = fit(GradientSharing(sparsity_warmup=(), **base))
+    assert (dgc != none).any()
+    monkeypatch.setattr(GradientSharing, "WARMUP_FROM_WORKERS", 2)
+    np.testing.assert_array_equal(fit(GradientSharing(**base)), dgc)
+    monkeypatch.setattr(GradientSharing, "WARMUP_FROM_WORKERS", 3)
+    np.testing.assert_array_equal(fit(GradientSharing(**base)), none)
+
+
+def test_a_clusters_fit_settles_the_default_warmup_for_its_workers(client2, make_net, digits, monkeypatch):
+    # the client settles the master for the workers the fit starts with (two here) before any
+    # worker is sent it: with the count moved to 2 the default trains DGC's warm-up, as the
+    # wrapper does with it given (synchronous delivery: the same bits on both runtimes)
+    tr, _ = digits
+    base = dict(batch_size_per_worker=32, steps_per_round=4, training_approach="direct")
+    here = ParallelWrapper(make_net(), GradientSharing(sparsity_warmup=GradientSharing.DGC_SPARSITY_WARMUP, **base),
+                           CPU2, progress=False, sharing_encoder="host")
+    here.fit(tr[:512])
+    monkeypatch.setattr(GradientSharing, "WARMUP_FROM_WORKERS", 2)
+    cluster = DistributedTrainer(client2, make_net(), GradientSharing(**base), progress=False)
+    cluster.fit(tr[:512])
+    for a, b in zip(jax.tree_util.tree_leaves(cluster.network.state.params),
+                    jax.tree_util.tree_leaves(here.network.state.params)):
+        np.testing.assert_array_equal(a, b)
+    # the warm-up's first epoch: every step far denser than the threshold band's 0.01-1%
+    assert min(r["sparsity"] for r in cluster.last_fit_stats) > 0.05
 
 
 def test_the_sparsity_warmup_on_two_devices_sends_its_fraction_then_the_threshold_algorithms(make_net, digits):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .._base import Algorithm, choice, int_setting
 from ._device import SharingDeviceRun
@@ -101,14 +101,22 @@ class GradientSharing(Algorithm):
         Clip each replica's gradient by global norm before its updater, to this value
         over the square root of the number of replicas (as DGC does). None (the
         default): no clipping.
-    sparsity_warmup : tuple of float
+    sparsity_warmup : "auto" or tuple of float
         A warm-up of the sparsity over the first epochs (the network's epoch counter,
         from 0): in epoch ``e < len(sparsity_warmup)`` every replica sends the
         fraction ``sparsity_warmup[e]`` of its residual's elements (the threshold is
         the magnitude that sends it) and the threshold algorithm waits, starting
         from its own initial state when the warm-up ends. DGC's is
         ``GradientSharing.DGC_SPARSITY_WARMUP``, ``(0.25, 0.0625, 0.015625,
-        0.00390625)``. Empty (the default): none.
+        0.00390625)``; empty: none. ``"auto"`` (the default): DGC's where a fit starts
+        with ``GradientSharing.WARMUP_FROM_WORKERS`` (4) workers or more, none with
+        fewer. On the parity suite at 4 workers DGC's warm-up took every task within
+        the rule (the worst from -1.62 points against one process to -0.89, the
+        average from -0.35 to +0.42) and at 2 workers it changed nothing beyond the
+        seeds' spread (the average paired difference +0.01); it sends 3 to 10 times the
+        bytes over the suite's short fits (a first epoch at a quarter of the elements),
+        and on the network benchmark's 2 workers it doubled the time of a fresh fit's
+        first epoch. ``()`` turns it off at any count.
     own_update : {"whole", "encoded"}
         How a replica applies its own update. ``"whole"`` (the default): at once and
         whole, beside its peers' encoded messages; what its residual holds (the part
@@ -166,13 +174,15 @@ class GradientSharing(Algorithm):
     momentum_masking: bool = False
     momentum_fields: tuple = MOMENTUM_FIELDS
     local_gradient_clipping: float | None = None
-    sparsity_warmup: tuple = ()
+    sparsity_warmup: object = "auto"
     continue_replicas: bool = True
     own_update: str = "whole"
     final_params: str = "mean"
 
     name = "sharing"
     DGC_SPARSITY_WARMUP = DGC_SPARSITY_WARMUP
+    #: ``sparsity_warmup="auto"`` is DGC's warm-up on this many workers or more
+    WARMUP_FROM_WORKERS = 4
 
     def __post_init__(self):
         super().__post_init__()
@@ -218,14 +228,23 @@ class GradientSharing(Algorithm):
                                  f"before dividing by sqrt(replicas)) or None, got {clip!r}")
             object.__setattr__(self, "local_gradient_clipping", float(clip))
         warm = self.sparsity_warmup
+        if warm == "auto":
+            return
         if isinstance(warm, (str, bytes)) or not isinstance(warm, (tuple, list)):
-            raise TypeError("sparsity_warmup must be a tuple of fractions sent per epoch, for example "
-                            f"GradientSharing.DGC_SPARSITY_WARMUP, or (), got {type(warm).__name__}")
+            raise TypeError('sparsity_warmup must be "auto", a tuple of fractions sent per epoch (for example '
+                            f"GradientSharing.DGC_SPARSITY_WARMUP) or (), got {warm!r}")
         for i, d in enumerate(warm):
             if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 < d <= 1:
                 raise ValueError(f"sparsity_warmup[{i}] must be a fraction of elements in (0, 1], got {d!r} "
                                  f"(in sparsity_warmup={tuple(warm)!r})")
         object.__setattr__(self, "sparsity_warmup", tuple(float(d) for d in warm))
+
+    def for_workers(self, n: int) -> "GradientSharing":
+        """The master with ``sparsity_warmup="auto"`` settled for a fit on ``n`` workers: DGC's
+        warm-up from :attr:`WARMUP_FROM_WORKERS` workers, none below."""
+        if self.sparsity_warmup != "auto":
+            return self
+        return replace(self, sparsity_warmup=DGC_SPARSITY_WARMUP if n >= self.WARMUP_FROM_WORKERS else ())
 
     # -- plug-in hooks ------------------------------------------------------------
     def create_driver(self, options):
