@@ -216,7 +216,7 @@ def replica_options(master, replicas: int, opt_state, params) -> ReplicaOptions:
                              f"fields in momentum_fields, or leave momentum_masking=False")
     clip = None if master.local_gradient_clipping is None else local_clip_norm(master.local_gradient_clipping,
                                                                                replicas)
-    if master.sparsity_warmup == "auto":  # a fit's master is settled (Algorithm.for_workers) before any replica starts
+    if isinstance(master.sparsity_warmup, str):  # a fit's master is settled (for_workers) before any replica starts
         raise RuntimeError('sparsity_warmup="auto" reached a replica unsettled: settle the master with '
                            "for_workers(n) for the fit's workers first")
     return ReplicaOptions(clip, fields, tuple(master.sparsity_warmup))
