@@ -382,8 +382,9 @@ def test_a_late_push_from_a_lost_sender_is_applied_by_no_replica(make_net, digit
 
     tr, _ = digits
     net = make_net(MLP(hidden=32), updater=optax.adam(1e-2))
+    # the master as a fit of three workers settles it (Algorithm.for_workers), as its job carries it
     master = GradientSharing(threshold_algorithm=FixedThreshold(1e-3), max_staleness=100, own_update=own_update,
-                             residual_post_processor=ResidualClipping(1.5, 1))
+                             residual_post_processor=ResidualClipping(1.5, 1)).for_workers(3)
 
     def state(addr):
         job = SimpleNamespace(master=master, state=jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True),
