@@ -141,11 +141,10 @@ OPTIONS = {
     "sharing-fixed-0.5lr": ("sharing", {"threshold_lr": 0.5, **ENCODED}),
     "sharing-fixed-lr": ("sharing", {"threshold_lr": 1.0, **ENCODED}),
     "sharing-fixed-2lr": ("sharing", {"threshold_lr": 2.0, **ENCODED}),
-    # the options above again under today's defaults (each replica's own update whole, the
-    # replicas' mean at a fit's end), tabled against them: at 4 workers the tuning tasks hold the
-    # rule and two held-out ones miss; does any option move the tuning half, to be checked after?
-    # (with no warm-up: measured before the warm-up became the default at 4 workers, and tabled
-    # against sharing-no-warmup, the defaults of their day)
+    # the options above again under the whole own update and the replicas' mean, with no warm-up
+    # (the defaults of their day, 2026-11-27, when at 4 workers the tuning tasks held the rule and
+    # two held-out ones missed): does any option move the tuning half, to be checked after? Tabled
+    # at 4 workers against sharing-no-warmup, those defaults
     "sharing-whole-band": ("sharing", {"band": (0.01, 0.05), **NO_WARMUP}),
     "sharing-whole-clipping": ("sharing", {"local_gradient_clipping": 1.0, **NO_WARMUP}),
     "sharing-whole-masking": ("sharing", {"momentum_masking": True, **NO_WARMUP}),
