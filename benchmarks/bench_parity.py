@@ -35,6 +35,7 @@ given the same file skips what is in it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -195,12 +196,17 @@ def distributed_fit(client, task, data, seed, algorithm, options):
     net = make_network(task, train, seed)
     with dlspark.DistributedTrainer(client, net, make_master(algorithm, options), progress=False) as trainer:
         trainer.fit(shuffled(train, seed), epochs=task.epochs)
-        out = {"accuracy": accuracy(trainer.network, test)}
-        comm = getattr(trainer, "communication", None)
-        if algorithm == "sharing" and comm and comm.get("dense_bytes"):
-            out.update(bytes_sent=int(comm["bytes_sent"]), dense_bytes=int(comm["dense_bytes"]),
-                       dense_ratio=comm["dense_bytes"] / max(1, comm["bytes_sent"]))
-    return out
+        return {"accuracy": accuracy(trainer.network, test), **_sharing_bytes(algorithm, trainer)}
+
+
+def _sharing_bytes(algorithm, fitted) -> dict:
+    """For gradient sharing, the bytes a fitted trainer or wrapper sent over its fit and the dense
+    fp32 bytes the same messages would have taken; nothing for other algorithms."""
+    comm = getattr(fitted, "communication", None)
+    if algorithm != "sharing" or not comm or not comm.get("dense_bytes"):
+        return {}
+    return {"bytes_sent": int(comm["bytes_sent"]), "dense_bytes": int(comm["dense_bytes"]),
+            "dense_ratio": comm["dense_bytes"] / max(1, comm["bytes_sent"])}
 
 
 def wrapper_fit(task, data, seed, algorithm, options, workers):
@@ -213,12 +219,39 @@ def wrapper_fit(task, data, seed, algorithm, options, workers):
     net = make_network(task, train, seed)
     wrapper = dlspark.ParallelWrapper(net, make_master(algorithm, options), devices=workers, progress=False)
     wrapper.fit(shuffled(train, seed), epochs=task.epochs)
-    out = {"accuracy": accuracy(net, test), "runtime": "wrapper"}
-    comm = getattr(wrapper, "communication", None)
-    if algorithm == "sharing" and comm and comm.get("dense_bytes"):
-        out.update(bytes_sent=int(comm["bytes_sent"]), dense_bytes=int(comm["dense_bytes"]),
-                   dense_ratio=comm["dense_bytes"] / max(1, comm["bytes_sent"]))
-    return out
+    return {"accuracy": accuracy(net, test), "runtime": "wrapper", **_sharing_bytes(algorithm, wrapper)}
+
+
+@contextlib.contextmanager
+def cluster_client(workers):
+    """A client of an embedded LocalCluster of ``workers`` workers, both closed after (a close
+    that fails is reported, not raised: on a loaded machine a nanny can be slow to stop, and the
+    results are saved by then)."""
+    from distributed import Client
+
+    from dlspark.cluster import local_cluster
+
+    cluster = local_cluster(workers, dashboard_address=None)
+    client = Client(cluster)
+    try:
+        yield client
+    finally:
+        for close in (client.close, cluster.close):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001
+                print(f"closing the {workers}-worker cluster: {e!r}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _fitter(runtime, workers):
+    """``fit(task, data, seed, algorithm, options)`` of a distributed run on ``runtime`` at
+    ``workers``: a LocalCluster's (started here, closed after) or a ParallelWrapper's."""
+    if runtime == "wrapper":
+        yield lambda *job: wrapper_fit(*job, workers)
+        return
+    with cluster_client(workers) as client:
+        yield lambda *job: distributed_fit(client, *job)
 
 
 # -- summary ------------------------------------------------------------------------------------
@@ -331,36 +364,13 @@ def run_grid(tasks, seeds, workers, runs, out, extra_runs=None, runtime="cluster
             record(t, "single", 1, seed, lambda: single_fit(TASKS[t], data[t], seed))
             for w in workers:  # the second reference: one process at the workers' global minibatch
                 record(t, "single-global", w, seed, lambda: single_fit(TASKS[t], data[t], seed, BATCH * w))
-    if runtime == "wrapper":
-        for w in workers:
-            for seed in range(seeds):
-                for t in tasks:
-                    for run in runs:
-                        algorithm, options = specs[run]
-                        record(t, run, w, seed,
-                               lambda: wrapper_fit(TASKS[t], data[t], seed, algorithm, options, w))
-        return results
-    from distributed import Client
-
-    from dlspark.cluster import local_cluster
-
     for w in workers:
-        cluster = local_cluster(w, dashboard_address=None)
-        client = Client(cluster)
-        try:
+        with _fitter(runtime, w) as fit:
             for seed in range(seeds):
                 for t in tasks:
                     for run in runs:
                         algorithm, options = specs[run]
-                        record(t, run, w, seed,
-                               lambda: distributed_fit(client, TASKS[t], data[t], seed, algorithm, options))
-        finally:
-            # On a loaded machine a nanny can be slow to stop: the results are saved, go on.
-            for close in (client.close, cluster.close):
-                try:
-                    close()
-                except Exception as e:  # noqa: BLE001
-                    print(f"closing the {w}-worker cluster: {e!r}", file=sys.stderr)
+                        record(t, run, w, seed, lambda: fit(TASKS[t], data[t], seed, algorithm, options))
     return results
 
 

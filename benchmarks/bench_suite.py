@@ -66,7 +66,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_parity import BATCH, RULE_EVERY, RULE_MEAN, _load, _save, make_master, shuffled  # noqa: E402
+from bench_parity import (BATCH, RULE_EVERY, RULE_MEAN, _load, _save, cluster_client, make_master,  # noqa: E402
+                          shuffled)
 
 #: the seeds of the suite: every run of every seed is reported, none is rerun
 SEEDS = tuple(range(10))
@@ -78,6 +79,8 @@ ALGORITHMS = {"averaging": {}, "sharing": {}}
 NO_WARMUP = {"sparsity_warmup": ()}
 #: gradient sharing's former default (DL4J's: each replica applies its own encoded messages)
 ENCODED = {"own_update": "encoded", **NO_WARMUP}
+#: Deep Gradient Compression's sparsity warm-up (GradientSharing.DGC_SPARSITY_WARMUP), as measured
+DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.00390625)
 #: parameter averaging's former default (DL4J's: the mean of the replicas' unscaled steps)
 UNSCALED = {"update_scale": 1.0}
 #: options measured against the defaults (run name -> (algorithm, its options)); not part of
@@ -93,7 +96,7 @@ OPTIONS = {
     # again is the run that was measured), and are tabled against sharing-encoded
     "sharing-masking": ("sharing", {"momentum_masking": True, **ENCODED}),
     "sharing-clipping": ("sharing", {"local_gradient_clipping": 1.0, **ENCODED}),
-    "sharing-warmup": ("sharing", {**ENCODED, "sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
+    "sharing-warmup": ("sharing", {**ENCODED, "sparsity_warmup": DGC_WARMUP}),
     "sharing-sync": ("sharing", {"max_staleness": 0, **ENCODED}),  # synchronous delivery (the default since 5d37075)
     "sharing-async": ("sharing", {"max_staleness": 4, **ENCODED}),  # DL4J's asynchronous delivery (the default before)
     # a denser adaptive band: 1-5% of the elements a step (the default's is 0.01-1%)
@@ -150,7 +153,7 @@ OPTIONS = {
     "sharing-whole-masking": ("sharing", {"momentum_masking": True, **NO_WARMUP}),
     "sharing-whole-lr-inv-sqrt": ("sharing", {"lr_scale": "inv-sqrt", **NO_WARMUP}),
     # DGC's sparsity warm-up at every worker count (the default's from 4 workers)
-    "sharing-whole-warmup": ("sharing", {"sparsity_warmup": (0.25, 0.0625, 0.015625, 0.00390625)}),
+    "sharing-whole-warmup": ("sharing", {"sparsity_warmup": DGC_WARMUP}),
     # no sparsity warm-up at any worker count (the default, sparsity_warmup="auto", is DGC's from
     # 4 workers since 2026-11-27): at 4 workers the former defaults, at 2 and 3 today's
     "sharing-no-warmup": ("sharing", NO_WARMUP),
@@ -507,20 +510,8 @@ def _fitter(runtime, workers):
     if runtime == "wrapper":
         yield wrapper_fit
         return
-    from distributed import Client
-
-    from dlspark.cluster import local_cluster
-
-    cluster = local_cluster(workers, dashboard_address=None)
-    client = Client(cluster)
-    try:
+    with cluster_client(workers) as client:
         yield functools.partial(distributed_fit, client)
-    finally:
-        for close in (client.close, cluster.close):  # the results are saved: a slow nanny is no failure
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001
-                print(f"closing the {workers}-worker cluster: {e!r}", file=sys.stderr)
 
 
 # -- summary --------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ def test_cli_rejects_a_seed_outside_the_suite(capsys):
 
 
 def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaults():
+    assert bench_suite.DGC_WARMUP == dlspark.GradientSharing.DGC_SPARSITY_WARMUP  # the schedule measured is DGC's
     task = bench_suite.TASKS["cancer"]
     train, _ = task.data()
     for name, (algorithm, options) in bench_suite.OPTIONS.items():
