@@ -275,11 +275,12 @@ def run_torch(net, n, epochs, runs, hook, world, curve_epochs=0):
 
 CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd",
               "averaging5-no-updater", "localsgd50-bf16-outer", "sharing-sync", "sharing-async", "sharing-encoded",
-              "sharing-first", "sharing-dgc-warmup", "sharing-no-clipping")
+              "sharing-first", "sharing-dgc-warmup", "sharing-no-clipping", "averaging50")
 #: measured by default; torch 2.13's powerSGD_hook fails a collective on gloo here ("Received data
 #: size doesn't match expected size"), so it runs only when named, as does averaging without
 #: save_updater (whose rounds carry the parameters alone) and LocalSGD (averaging50-outer's rounds
-#: with the pseudo-gradient sent in bfloat16, error feedback kept on each replica)
+#: with the pseudo-gradient sent in bfloat16, error feedback kept on each replica), and averaging
+#: at 50 with its defaults otherwise (updates scaled with the workers, no outer step)
 DEFAULT_CONTENDERS = CONTENDERS[:5]
 
 
@@ -295,6 +296,8 @@ def _master(name):
     if name == "averaging50-outer":
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=50,
                                           outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
+    if name == "averaging50":
+        return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=50)
     if name == "sharing":
         return dlspark.GradientSharing(batch_size_per_worker=BATCH)
     if name == "sharing-sync":

@@ -130,6 +130,10 @@ OPTIONS = {
     # scales them without an outer step; under one, update_scale="workers" is 1)
     "averaging-f50-nesterov-scaled": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
                                                     "update_scale_workers": True}),
+    # averaging at long periods with today's defaults otherwise (updates scaled with the workers,
+    # no outer step): what a long round costs the suite's short fits apart from the outer step
+    "averaging-f20-scaled": ("averaging", {"averaging_frequency": 20}),
+    "averaging-f50-scaled": ("averaging", {"averaging_frequency": 50}),
     # averaging whose outer step applies the sum of the workers' moves rather than their mean
     # (optax.sgd at a rate of n workers): n workers' rounds move the parameters as far as one
     # process's steps over the same minibatches would, as gradient sharing's sum of updates does
