@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -134,6 +135,11 @@ OPTIONS = {
     # no outer step): what a long round costs the suite's short fits apart from the outer step
     "averaging-f20-scaled": ("averaging", {"averaging_frequency": 20}),
     "averaging-f50-scaled": ("averaging", {"averaging_frequency": 50}),
+    # the same with the fit's first or last two epochs at the defaults' frequency (5), as a
+    # second fit of the network: does the period cost the early phase (post-local SGD's
+    # reason to start with frequent averaging) or the end of the fit?
+    "averaging-f50-scaled-first2-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("first", 2)}),
+    "averaging-f50-scaled-last2-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 2)}),
     # averaging whose outer step applies the sum of the workers' moves rather than their mean
     # (optax.sgd at a rate of n workers): n workers' rounds move the parameters as far as one
     # process's steps over the same minibatches would, as gradient sharing's sum of updates does
@@ -428,10 +434,21 @@ def run_setup(task, train, seed, run, workers):
         options["outer_updater"] = optax.sgd(float(workers))
     if "threshold_lr" in options:
         options["threshold_algorithm"] = dlspark.FixedThreshold(options.pop("threshold_lr") * task.learning_rate)
-    for k in WRAPPER_ONLY:  # the fit's, not the master's (see wrapper_fit)
+    for k in (*WRAPPER_ONLY, "frequent_epochs"):  # the fit's, not the master's (see wrapper_fit, phases)
         options.pop(k, None)
     net = make_network(task, train, seed, lr_factor=LR_SCALES[scale](workers) if scale else 1.0)
     return net, make_master(algorithm, options)
+
+
+def phases(task, run, master):
+    """``[(master, epochs), ...]``: the fits a run of ``task`` makes of one network in turn. One
+    fit of the task's epochs, but where the run names ``frequent_epochs=(side, k)``: its
+    ``first`` or ``last`` ``k`` epochs a fit of their own at averaging frequency 5."""
+    if "frequent_epochs" not in RUNS[run][1]:
+        return [(master, task.epochs)]
+    side, k = RUNS[run][1]["frequent_epochs"]
+    frequent, rest = (dataclasses.replace(master, averaging_frequency=5), k), (master, task.epochs - k)
+    return [frequent, rest] if side == "first" else [rest, frequent]
 
 
 @contextlib.contextmanager
@@ -480,9 +497,11 @@ def distributed_fit(client, task, data, seed, run, workers):
 
     train, test = data
     net, master = run_setup(task, train, seed, run, workers)
-    with dlspark.DistributedTrainer(client, net, master, progress=False) as trainer:
-        trainer.fit(shuffled(train, seed), epochs=task.epochs)
-        return _figures(task, trainer, master, test)
+    for m, epochs in phases(task, run, master):
+        with dlspark.DistributedTrainer(client, net, m, progress=False) as trainer:
+            trainer.fit(shuffled(train, seed), epochs=epochs)
+            figures = _figures(task, trainer, m, test)
+    return figures
 
 
 def wrapper_fit(task, data, seed, run, workers):
@@ -502,9 +521,10 @@ def wrapper_fit(task, data, seed, run, workers):
         figures = ({"value": score(task, net, test)} if replaced == "unencoded"
                    else _figures(task, wrapper, master, test))
         return {**figures, "runtime": "wrapper", replaced: True}
-    wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False)
-    wrapper.fit(shuffled(train, seed), epochs=task.epochs)
-    return {**_figures(task, wrapper, master, test), "runtime": "wrapper"}
+    for m, epochs in phases(task, run, master):
+        wrapper = dlspark.ParallelWrapper(net, m, devices=workers, progress=False)
+        wrapper.fit(shuffled(train, seed), epochs=epochs)
+    return {**_figures(task, wrapper, m, test), "runtime": "wrapper"}
 
 
 @contextlib.contextmanager

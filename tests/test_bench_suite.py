@@ -80,6 +80,13 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert master.threshold_algorithm.decay ** v == pytest.approx(0.5), name
             elif k == "threshold_lr":  # a fixed threshold of that many times the task's learning rate
                 assert master.threshold_algorithm == dlspark.FixedThreshold(v * task.learning_rate), name
+            elif k == "frequent_epochs":  # the first or last epochs a fit of their own at frequency 5
+                side, n = v
+                (first, e1), (second, e2) = bench_suite.phases(task, name, master)
+                assert e1 + e2 == task.epochs and (e1 if side == "first" else e2) == n, name
+                frequent, rest = (first, second) if side == "first" else (second, first)
+                assert (frequent.averaging_frequency, rest) == (5, master), name
+                assert master.averaging_frequency == options["averaging_frequency"], name
             elif k in bench_suite.WRAPPER_ONLY:  # the fit's (see the tests below); the master has the others
                 rest = {o: x for o, x in options.items() if o != k}
                 assert master == bench_suite.make_master(algorithm, rest), name
@@ -136,6 +143,13 @@ def test_the_wrapper_runtime_trains_the_clusters_job_to_the_same_bits(client2, t
     assert on_devices["runtime"] == "wrapper" and on_devices["value"] == on_cluster["value"]
     assert on_devices["bytes_sent"] == on_cluster["bytes_sent"] > 0
     assert on_devices["dense_bytes"] == on_cluster["dense_bytes"] > on_devices["bytes_sent"]
+    # a run of two fits of one network (its last two epochs at averaging frequency 5) too; the
+    # regression's test MSE tells apart any difference in the parameters
+    task = bench_suite.TASKS["diabetes"]
+    data = task.data()
+    on_cluster = bench_suite.distributed_fit(client2, task, data, 0, "averaging-f50-scaled-last2-f5", 2)
+    assert bench_suite.wrapper_fit(task, data, 0, "averaging-f50-scaled-last2-f5", 2)["value"] == on_cluster["value"]
+    assert on_cluster["value"] != bench_suite.wrapper_fit(task, data, 0, "averaging-f50-scaled", 2)["value"]
     # a wrapper's devices step in lockstep: a run that delivers late is refused before any fit
     with pytest.raises(SystemExit, match="sharing-async deliver late"):
         bench_suite.run_grid(["friedman"], [0], [2], ["sharing-async"], str(tmp_path / "s.json"), runtime="wrapper")

@@ -95,14 +95,10 @@ class ParameterAveraging(Algorithm):
         step lost 3.6 to 5 points on the tabular task at frequencies 5 and 20
         (1.3 on the image task at 20) and was within 1 point only at 50. Leave
         it ``None`` at short periods; try the Nesterov step only at long ones
-        (50 and beyond), against a plain run. A round is short also where an epoch is
-        (above). On the parity suite at frequency 50 (where an epoch gave each worker 12
-        to 45 minibatches on three of the eight tasks at 2 workers, 6 to 38 on four at 4),
-        the Nesterov step against the same rounds without it (updates scaled with the
-        workers): at 2 workers -3.3 points on the small regression and -0.5 on the image
-        task, +5.5 on the other regression; at 4 workers worse on every task, by 0.7 to
-        9.8 points. Without it every task but the attention task held within a point of
-        one process.
+        (50 and beyond), against a plain run, and only where an epoch holds several
+        rounds: a round cut short by the epoch's end (above) is a short period too. On
+        the parity suite at frequency 50 the Nesterov step was worse than the same rounds
+        without it on every task at 4 workers (docs/benchmarks/parity-suite.md).
 
     Examples
     --------
