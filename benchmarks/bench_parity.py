@@ -68,7 +68,17 @@ OUTER_RUNS = {
     **{f"averaging-f{f}": ("averaging", {"averaging_frequency": f}) for f in (20, 50)},
     **{f"averaging-f{f}-nesterov": ("averaging", {"averaging_frequency": f, "outer": "nesterov"}) for f in (5, 20, 50)},
 }
-OUTERS = {"nesterov": _nesterov}
+def _sgd(rate, momentum=None):
+    def make():
+        import optax
+
+        return optax.sgd(rate, momentum=momentum, nesterov=momentum is not None)
+
+    return make
+
+
+#: outer updaters by name: DiLoCo's, and the smaller steps bench_suite measures at 50
+OUTERS = {"nesterov": _nesterov, "sgd-1": _sgd(1.0), "sgd-0.5": _sgd(0.5), "nesterov-0.1": _sgd(0.1, 0.9)}
 
 
 # -- tasks ------------------------------------------------------------------------------------

@@ -140,6 +140,25 @@ OPTIONS = {
     # reason to start with frequent averaging) or the end of the fit?
     "averaging-f50-scaled-first2-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("first", 2)}),
     "averaging-f50-scaled-last2-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 2)}),
+    # the outer step at 50 in smaller measures, on the task where averaging at 50 misses most
+    # (tokens-attention, 4 workers): how far a round moves, how the inner updates are scaled,
+    # momentum and a decaying outer rate, each against the same rounds without an outer step
+    "averaging-f50-mean": ("averaging", {"averaging_frequency": 50, **UNSCALED}),  # DL4J's plain mean
+    "averaging-f50-half-scaled": ("averaging", {"averaging_frequency": 50, "update_scale_workers": 0.5}),
+    # outer SGD at a rate of the workers over unscaled inner steps: the replicas' moves summed
+    "averaging-f50-sum": ("averaging", {"averaging_frequency": 50, "outer_rate": "workers", **UNSCALED}),
+    # the inner updates scaled with the workers (as the default's) under an outer step: sgd(1.0)
+    # is the plain mean again (a check of the outer path), sgd(0.5) half of its move, Nesterov at
+    # 0.1 with momentum 0.9 the same move once its momentum has built up, and a cosine decay of
+    # the outer rate from 1 to 0 over the fit's rounds
+    "averaging-f50-scaled-outer-sgd-1": ("averaging", {"averaging_frequency": 50, "update_scale_workers": True,
+                                                       "outer": "sgd-1"}),
+    "averaging-f50-scaled-outer-sgd-0.5": ("averaging", {"averaging_frequency": 50, "update_scale_workers": True,
+                                                         "outer": "sgd-0.5"}),
+    "averaging-f50-scaled-outer-nesterov-0.1": ("averaging", {"averaging_frequency": 50,
+                                                              "update_scale_workers": True, "outer": "nesterov-0.1"}),
+    "averaging-f50-scaled-outer-cosine": ("averaging", {"averaging_frequency": 50, "update_scale_workers": True,
+                                                        "outer_cosine": True}),
     # averaging whose outer step applies the sum of the workers' moves rather than their mean
     # (optax.sgd at a rate of n workers): n workers' rounds move the parameters as far as one
     # process's steps over the same minibatches would, as gradient sharing's sum of updates does
@@ -419,25 +438,40 @@ def run_setup(task, train, seed, run, workers):
     """``(network, master)`` of a distributed run: the run's options go to its master, but for
     ``lr_scale``, which scales the network's learning rate with the workers, and
     ``threshold_lr``, a fixed threshold of that many times the task's learning rate, and
-    ``outer_rate="workers"``, an outer SGD step at a rate of the workers, and
-    ``update_scale_workers``, the updates times the workers whatever the master's default."""
+    ``outer_rate="workers"``, an outer SGD step at a rate of the workers, ``outer_cosine``, an
+    outer SGD step whose rate falls from 1 to 0 over the fit's rounds (a cosine), and
+    ``update_scale_workers``, the updates times the workers (``True``) or times that factor of
+    them, whatever the master's default."""
     import dlspark
 
     algorithm, options = RUNS[run]
     options = dict(options)
     scale = options.pop("lr_scale", None)
-    if options.pop("update_scale_workers", False):
-        options["update_scale"] = float(workers)
+    factor = options.pop("update_scale_workers", False)
+    if factor:
+        options["update_scale"] = float(workers) * (1.0 if factor is True else factor)
     if options.pop("outer_rate", None) == "workers":
         import optax
 
         options["outer_updater"] = optax.sgd(float(workers))
+    if options.pop("outer_cosine", False):
+        import optax
+
+        options["outer_updater"] = optax.sgd(optax.cosine_decay_schedule(1.0, fit_rounds(task, train, options,
+                                                                                         workers)))
     if "threshold_lr" in options:
         options["threshold_algorithm"] = dlspark.FixedThreshold(options.pop("threshold_lr") * task.learning_rate)
     for k in (*WRAPPER_ONLY, "frequent_epochs"):  # the fit's, not the master's (see wrapper_fit, phases)
         options.pop(k, None)
     net = make_network(task, train, seed, lr_factor=LR_SCALES[scale](workers) if scale else 1.0)
     return net, make_master(algorithm, options)
+
+
+def fit_rounds(task, train, options, workers):
+    """The averaging rounds of one fit of ``task`` on ``train`` at ``workers`` (rounds end with
+    each epoch: an epoch's minibatches, dealt ``averaging_frequency`` a worker a round)."""
+    minibatches = math.ceil(len(train) / BATCH)
+    return task.epochs * math.ceil(minibatches / (options["averaging_frequency"] * workers))
 
 
 def phases(task, run, master):

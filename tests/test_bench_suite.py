@@ -69,8 +69,17 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert v in bench_suite.LR_SCALES, name
             elif k == "outer":  # a named outer updater, made when the run starts
                 assert master.outer_updater is not None, name
-            elif k == "update_scale_workers":  # the updates times the workers, an outer step or not
-                assert master.update_scale == 2.0, name
+            elif k == "update_scale_workers":  # the updates times the workers (or a factor of them), outer step or not
+                assert master.update_scale == 2.0 * (1.0 if v is True else v), name
+            elif k == "outer_cosine":  # an outer SGD rate falling from 1 to 0 over the fit's rounds
+                tx, g = master.outer_updater, np.ones(3, np.float32)
+                rounds = bench_suite.fit_rounds(task, train, options, 2)
+                assert rounds == task.epochs  # cancer: 29 minibatches an epoch, a round each at 2 workers
+                moved, state = tx.update(g, tx.init(g))
+                np.testing.assert_allclose(np.asarray(moved), -g, err_msg=name)
+                for _ in range(rounds - 1):
+                    moved, state = tx.update(g, state)
+                assert 0 < -float(moved[0]) < 0.01, name  # the fit's last round barely moves
             elif k == "outer_rate":  # an outer SGD step at a rate of the workers: it applies their moves' sum
                 moved, _ = master.outer_updater.update(np.ones(3), master.outer_updater.init(np.ones(3)))
                 np.testing.assert_allclose(np.asarray(moved), -2.0 * np.ones(3), err_msg=name)
