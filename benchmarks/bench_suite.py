@@ -145,6 +145,7 @@ OPTIONS = {
     # momentum and a decaying outer rate, each against the same rounds without an outer step
     "averaging-f50-mean": ("averaging", {"averaging_frequency": 50, **UNSCALED}),  # DL4J's plain mean
     "averaging-f50-half-scaled": ("averaging", {"averaging_frequency": 50, "update_scale_workers": 0.5}),
+    "averaging-f50-double-scaled": ("averaging", {"averaging_frequency": 50, "update_scale_workers": 2.0}),
     # outer SGD at a rate of the workers over unscaled inner steps: the replicas' moves summed
     "averaging-f50-sum": ("averaging", {"averaging_frequency": 50, "outer_rate": "workers", **UNSCALED}),
     # the inner updates scaled with the workers (as the default's) under an outer step: sgd(1.0)
