@@ -532,11 +532,12 @@ def distributed_fit(client, task, data, seed, run, workers):
 
     train, test = data
     net, master = run_setup(task, train, seed, run, workers)
-    for m, epochs in phases(task, run, master):
+    fits = phases(task, run, master)
+    for i, (m, epochs) in enumerate(fits, 1):
         with dlspark.DistributedTrainer(client, net, m, progress=False) as trainer:
             trainer.fit(shuffled(train, seed), epochs=epochs)
-            figures = _figures(task, trainer, m, test)
-    return figures
+            if i == len(fits):  # the run's figures: its last fit's (the trainer's counters close with it)
+                return _figures(task, trainer, m, test)
 
 
 def wrapper_fit(task, data, seed, run, workers):
