@@ -56,19 +56,8 @@ RUNS = {
 }
 
 
-def _nesterov():
-    import optax
-
-    return optax.sgd(0.7, momentum=0.9, nesterov=True)  # DiLoCo's outer step
-
-
-#: more runs: averaging at long periods, with and without DiLoCo's outer optimizer
-#: (``outer`` names an outer updater factory, made when the run starts)
-OUTER_RUNS = {
-    **{f"averaging-f{f}": ("averaging", {"averaging_frequency": f}) for f in (20, 50)},
-    **{f"averaging-f{f}-nesterov": ("averaging", {"averaging_frequency": f, "outer": "nesterov"}) for f in (5, 20, 50)},
-}
 def _sgd(rate, momentum=None):
+    """An outer updater factory: optax's SGD at ``rate``, Nesterov's with ``momentum`` if given."""
     def make():
         import optax
 
@@ -77,8 +66,14 @@ def _sgd(rate, momentum=None):
     return make
 
 
-#: outer updaters by name: DiLoCo's, and the smaller steps bench_suite measures at 50
-OUTERS = {"nesterov": _nesterov, "sgd-1": _sgd(1.0), "sgd-0.5": _sgd(0.5), "nesterov-0.1": _sgd(0.1, 0.9)}
+#: more runs: averaging at long periods, with and without DiLoCo's outer optimizer
+#: (``outer`` names an outer updater factory, made when the run starts)
+OUTER_RUNS = {
+    **{f"averaging-f{f}": ("averaging", {"averaging_frequency": f}) for f in (20, 50)},
+    **{f"averaging-f{f}-nesterov": ("averaging", {"averaging_frequency": f, "outer": "nesterov"}) for f in (5, 20, 50)},
+}
+#: outer updaters by name: DiLoCo's Nesterov step, and the smaller steps bench_suite measures at 50
+OUTERS = {"nesterov": _sgd(0.7, 0.9), "sgd-1": _sgd(1.0), "sgd-0.5": _sgd(0.5), "nesterov-0.1": _sgd(0.1, 0.9)}
 
 
 # -- tasks ------------------------------------------------------------------------------------
