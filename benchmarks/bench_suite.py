@@ -469,10 +469,16 @@ def run_setup(task, train, seed, run, workers):
 
 
 def fit_rounds(task, train, options, workers):
-    """The averaging rounds of one fit of ``task`` on ``train`` at ``workers`` (rounds end with
-    each epoch: an epoch's minibatches, dealt ``averaging_frequency`` a worker a round)."""
-    minibatches = math.ceil(len(train) / BATCH)
-    return task.epochs * math.ceil(minibatches / (options["averaging_frequency"] * workers))
+    """The averaging rounds of one fit of ``task`` on ``train`` at ``workers``, as the fit's own
+    planner deals them (rounds end with each epoch)."""
+    from dlspark.distributed._plan import Coordinator
+
+    planner = Coordinator([0] * math.ceil(len(train) / BATCH), task.epochs, options["averaging_frequency"])
+    rounds = 0
+    while (plan := planner.plan_round(range(workers))) is not None:
+        planner.complete_round(plan, plan.contributors)
+        rounds += 1
+    return rounds
 
 
 def phases(task, run, master):
