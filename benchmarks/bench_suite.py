@@ -140,6 +140,10 @@ OPTIONS = {
     # reason to start with frequent averaging) or the end of the fit?
     "averaging-f50-scaled-first2-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("first", 2)}),
     "averaging-f50-scaled-last2-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 2)}),
+    # how many of the attention task's last epochs at 5 it takes to hold the rule at 4 workers
+    "averaging-f50-scaled-last3-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 3)}),
+    "averaging-f50-scaled-last4-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 4)}),
+    "averaging-f50-scaled-last5-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 5)}),
     # the outer step at 50 in smaller measures, on the task where averaging at 50 misses most
     # (tokens-attention, 4 workers): how far a round moves, how the inner updates are scaled,
     # momentum and a decaying outer rate, each against the same rounds without an outer step
