@@ -85,6 +85,20 @@ class BNNet(nn.Module):
         return nn.Dense(10)(nn.relu(x))
 
 
+# Each test file runs whole on one of the two xdist processes (--dist loadfile), handed out in
+# the order of this hook's items (--no-loadscope-reorder): the files with the most tests first,
+# as xdist's own order has it, but the device script's dry run (few tests, one of them about
+# 100 s) before them: xdist's order put it among the last, and one process ran it alone at the end.
+FIRST = ("test_device_dryrun.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    count: dict = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    items.sort(key=lambda item: (item.path.name not in FIRST, -count[item.path], str(item.path)))
+
+
 @pytest.fixture(scope="session")
 def digits():
     return dlspark.datasets.digits()

@@ -242,11 +242,13 @@ def test_two_workers_that_cannot_reach_each_other_end_in_bounded_time(net, make_
 def test_a_cut_longer_than_dask_keeps_the_worker_finishes_on_the_survivor(net, make_net, digits, tmp_path):
     net, client = net
     urls = _urls(digits, tmp_path)
+    healed = threading.Event()
 
     def fault():
         net.cut(1)
         time.sleep(CUT_LONG)
         net.heal(1)
+        healed.set()
 
     on_round, started = _fault_at_round(3, fault)
     trainer = DistributedTrainer(client, make_net(), _master("averaging"), progress=False)
@@ -256,3 +258,5 @@ def test_a_cut_longer_than_dask_keeps_the_worker_finishes_on_the_survivor(net, m
     assert time.monotonic() - t0 < 50
     assert _minibatches_per_epoch(trainer) == {0: len(urls), 1: len(urls)}
     assert trainer.last_fit_stats[-1]["workers"] == 1  # finished on the survivor
+    # the fit can end before the link is healed: the module's network must outlive the fault
+    assert healed.wait(CUT_LONG + 10), "the link was not healed"
