@@ -88,7 +88,8 @@ class BNNet(nn.Module):
 # Each test file runs whole on one of the two xdist processes (--dist loadfile), handed out in
 # the order of this hook's items (--no-loadscope-reorder): the files with the most tests first,
 # as xdist's own order has it, but the device script's dry run (few tests, one of them about
-# 100 s) before them: xdist's order put it among the last, and one process ran it alone at the end.
+# 100 s) before them: by test count xdist handed it out among the last files, and the run's
+# end waited on it.
 FIRST = ("test_device_dryrun.py",)
 
 
