@@ -8,6 +8,7 @@ job as a DistributedTrainer on a 2-worker LocalCluster ends at the same
 parameters (dropout included), and a checkpoint of either resumes in the other.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -476,6 +477,29 @@ def test_same_job_as_a_two_worker_cluster_ends_at_the_same_parameters(client2, m
     # the same round records: one set of keys, the same rounds
     assert [set(s) for s in wrapper.last_fit_stats] == [set(s) for s in cluster_stats]
     assert [s["trained_total"] for s in wrapper.last_fit_stats] == [s["trained_total"] for s in cluster_stats]
+
+
+@pytest.mark.slow
+def test_final_epochs_at_their_own_frequency_end_where_a_second_fit_at_it_does(client2, make_net, digits):
+    # averaging every 8 minibatches with the fit's last epoch every 2: the rounds of a fit of
+    # two epochs at 8 and then one at 2, on either runtime
+    tr, _ = digits
+    data = tr[:512]  # 16 minibatches: a round of 8 a worker an epoch, or 4 rounds of 2
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=8, final_epochs=1, final_frequency=2,
+                                training_approach="direct")
+    one = ParallelWrapper(make_net(), master, CPU2, progress=False)
+    one.fit(data, epochs=3)
+    assert [sum(s.worker_steps.values()) for s in one.last_fit_stats] == [16, 16, 4, 4, 4, 4]
+    two = make_net()
+    ParallelWrapper(two, dataclasses.replace(master, final_epochs=0), CPU2, progress=False).fit(data, epochs=2)
+    ParallelWrapper(two, dataclasses.replace(master, final_epochs=0, averaging_frequency=2), CPU2,
+                    progress=False).fit(data, epochs=1)
+    _close(one.network.state.params, two.state.params, rtol=0, atol=0)
+    assert one.network.iteration == two.iteration == 48
+    trainer = DistributedTrainer(client2, make_net(), master, progress=False)
+    trainer.fit(data, epochs=3)
+    assert [s["trained_total"] for s in trainer.last_fit_stats] == [16, 32, 36, 40, 44, 48]
+    _close(trainer.network.state.params, two.state.params, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow

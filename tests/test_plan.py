@@ -29,6 +29,23 @@ def test_one_worker_keeps_order_and_every_epoch_trains_each_minibatch_once():
     assert c.finished and c.trained_total == 14
 
 
+def test_the_final_epochs_deal_rounds_of_their_own_length():
+    # 12 minibatches, 2 workers: rounds of 6 a worker (one an epoch), the last two epochs'
+    # rounds 2 a worker (3 an epoch); every epoch still trains each minibatch once
+    c = Coordinator([0] * 12, epochs=4, steps_per_round=6, final_epochs=2, final_steps_per_round=2)
+    sizes = []
+    while (plan := c.plan_round(["a", "b"])) is not None:
+        sizes.append((plan.epoch, [len(r) for r in plan.assignment.values()]))
+        c.complete_round(plan, plan.contributors)
+    assert sizes == [(0, [6, 6]), (1, [6, 6])] + [(e, [2, 2]) for e in (2, 3) for _ in range(3)]
+    assert c.trained_total == 48
+    # more final epochs than the fit has: every epoch is one of them; none: the usual rounds
+    every = Coordinator([0] * 12, epochs=2, steps_per_round=6, final_epochs=5, final_steps_per_round=3)
+    assert len(drain(every, ["a", "b"])) == 8
+    assert len(drain(Coordinator([0] * 12, epochs=2, steps_per_round=6, final_epochs=0,
+                                 final_steps_per_round=3), ["a", "b"])) == 4
+
+
 def test_balanced_final_partial_round_and_idle_workers():
     c = Coordinator([0] * 5, epochs=1, steps_per_round=2)
     p1 = c.plan_round(["a", "b"])

@@ -62,6 +62,10 @@ def _simulate(make_net, batches, workers, freq, save_updater):
 def test_config_validation_names_the_option():
     with pytest.raises(ValueError, match="averaging_frequency must be an integer >= 1, got 0"):
         ParameterAveraging(averaging_frequency=0)
+    with pytest.raises(ValueError, match="final_epochs must be an integer >= 0, got -1"):
+        ParameterAveraging(final_epochs=-1)
+    with pytest.raises(ValueError, match="final_frequency must be an integer >= 1, got 0"):
+        ParameterAveraging(final_epochs=2, final_frequency=0)
     with pytest.raises(ValueError, match=r"training_approach must be one of \('export', 'direct'\)"):
         ParameterAveraging(training_approach="stream")
     with pytest.raises(ValueError, match="repartition must be one of"):

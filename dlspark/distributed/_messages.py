@@ -52,6 +52,8 @@ class JobOptions:
     epochs_done: int = 0
     checkpoint_every: int | None = None
     checkpoint_url: str | None = None
+    final_epochs: int = 0  # the fit's last epochs, whose rounds are final_steps_per_round long
+    final_steps_per_round: int | None = None
 
 
 @dataclass(frozen=True)

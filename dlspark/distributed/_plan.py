@@ -51,15 +51,21 @@ class Coordinator:
         As in :class:`~dlspark.ParameterAveraging`.
     skip : iterable of int
         Minibatches already trained in the first epoch (resuming a checkpoint).
+    final_epochs, final_steps_per_round : int
+        The last ``final_epochs`` of the ``epochs`` deal ``final_steps_per_round`` minibatches
+        per worker a round instead (0: none).
     """
 
-    def __init__(self, partitions, epochs, steps_per_round, repartition="always", strategy="balanced", skip=()):
+    def __init__(self, partitions, epochs, steps_per_round, repartition="always", strategy="balanced", skip=(),
+                 final_epochs=0, final_steps_per_round=None):
         self.partitions = list(partitions)
         self.n = len(self.partitions)
         if self.n == 0:
             raise ValueError("a job needs at least one minibatch")
         self.epochs = int(epochs)
-        self.k = int(steps_per_round)
+        self.steps_per_round = int(steps_per_round)
+        self.final_epochs = int(final_epochs)
+        self.final_steps_per_round = int(final_steps_per_round or steps_per_round)
         self.repartition = repartition
         self.strategy = strategy
         self.epoch = 0
@@ -75,6 +81,12 @@ class Coordinator:
     def _fill(self):
         self._pending = deque(i for i in range(self.n) if i not in self.done)
         self._queues = None
+
+    @property
+    def k(self) -> int:
+        """Minibatches per worker in the current epoch's rounds."""
+        final = self.epoch >= self.epochs - self.final_epochs
+        return self.final_steps_per_round if final else self.steps_per_round
 
     @property
     def finished(self) -> bool:

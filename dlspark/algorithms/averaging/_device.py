@@ -46,7 +46,8 @@ class _Rounds:
         m = runtime.master
         self.runtime, self.refs = runtime, refs
         self.planner = Coordinator(partitions, epochs, m.averaging_frequency, m.repartition,
-                                   m.repartition_strategy, skip=skip)
+                                   m.repartition_strategy, skip=skip, final_epochs=m.final_epochs,
+                                   final_steps_per_round=m.final_frequency)
         self.wait = 0.0
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=ahead) if ahead else None
@@ -228,7 +229,7 @@ class AveragingDeviceRun:
         epochs_total = epochs if epochs_total is None else epochs_total
         base_step, base_epoch = net.iteration, net.epoch
         state, outer = self._replicate(net.state, saved_rngs)
-        k = master.averaging_frequency
+        k = master.longest_round
         depth = master.worker_prefetch_num_batches and max(master.worker_prefetch_num_batches, k)
         rounds = _Rounds(self.rt, refs, partitions, epochs, skip, math.ceil(depth / k))
         leaves = jax.tree_util.tree_leaves(net.state)
