@@ -144,6 +144,14 @@ OPTIONS = {
     "averaging-f50-scaled-last3-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 3)}),
     "averaging-f50-scaled-last4-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 4)}),
     "averaging-f50-scaled-last5-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 5)}),
+    # the same as -last3-f5 in one fit, by the library's own option (ParameterAveraging's
+    # final_epochs): the fit ends where the two fits above end, as tests/test_parallel.py checks
+    "averaging-f50-final3": ("averaging", {"averaging_frequency": 50, "final_epochs": 3}),
+    # DiLoCo's outer Nesterov step at 50 (inner steps one worker's, as under any outer step), the
+    # fit's last three epochs at 5 with the plain mean of scaled steps, as in the run above:
+    # does the outer step hold the rule where the closing epochs are averaged often?
+    "averaging-f50-nesterov-last3-f5": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
+                                                      "frequent_epochs": ("last", 3)}),
     # the outer step at 50 in smaller measures, on the task where averaging at 50 misses most
     # (tokens-attention, 4 workers): how far a round moves, how the inner updates are scaled,
     # momentum and a decaying outer rate, each against the same rounds without an outer step
@@ -488,11 +496,13 @@ def fit_rounds(task, train, options, workers):
 def phases(task, run, master):
     """``[(master, epochs), ...]``: the fits a run of ``task`` makes of one network in turn. One
     fit of the task's epochs, but where the run names ``frequent_epochs=(side, k)``: its
-    ``first`` or ``last`` ``k`` epochs a fit of their own at averaging frequency 5."""
+    ``first`` or ``last`` ``k`` epochs a fit of their own at averaging frequency 5, without an
+    outer step (the plain mean; the updates scaled as the master's ``update_scale`` says)."""
     if "frequent_epochs" not in RUNS[run][1]:
         return [(master, task.epochs)]
     side, k = RUNS[run][1]["frequent_epochs"]
-    frequent, rest = (dataclasses.replace(master, averaging_frequency=5), k), (master, task.epochs - k)
+    frequent = dataclasses.replace(master, averaging_frequency=5, outer_updater=None), k
+    rest = master, task.epochs - k
     return [frequent, rest] if side == "first" else [rest, frequent]
 
 

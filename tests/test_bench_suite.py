@@ -95,7 +95,7 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 (first, e1), (second, e2) = bench_suite.phases(task, name, master)
                 assert e1 + e2 == task.epochs and (e1 if side == "first" else e2) == n, name
                 frequent, rest = (first, second) if side == "first" else (second, first)
-                assert (frequent.averaging_frequency, rest) == (5, master), name
+                assert (frequent.averaging_frequency, frequent.outer_updater, rest) == (5, None, master), name
                 assert master.averaging_frequency == options["averaging_frequency"], name
             elif k in bench_suite.WRAPPER_ONLY:  # the fit's (see the tests below); the master has the others
                 rest = {o: x for o, x in options.items() if o != k}
