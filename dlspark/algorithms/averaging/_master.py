@@ -40,7 +40,8 @@ class ParameterAveraging(Algorithm):
         5.6 points below one process on its attention task at 4 workers, and with the fit's
         last three epochs at 5 within 0.7 points of it on every task at 2 and 4 workers, with
         1.5 to 3.9 times fewer rounds than averaging at 5 throughout
-        (docs/benchmarks/parity-suite.md).
+        (docs/benchmarks/parity-suite.md). An ``outer_updater`` applies in these epochs too;
+        the schedule was measured to hold that rule without one.
     final_frequency : int
         The averaging frequency of the ``final_epochs`` (default 5, the default frequency).
     worker_prefetch_num_batches : int
