@@ -33,8 +33,9 @@ class ParameterAveraging(Algorithm):
     final_epochs : int
         How many of a fit's last epochs average every ``final_frequency`` minibatches instead
         of every ``averaging_frequency`` (0, the default: none; more than the fit's epochs: the
-        whole fit). Counted within each ``fit`` call (a resumed fit counts the epochs it has
-        left), so two calls of 10 epochs with ``final_epochs=3`` each close with 3 such epochs.
+        whole fit). Counted within each ``fit`` call, so two calls of 10 epochs with
+        ``final_epochs=3`` each close with 3 such epochs; a fit resumed from a checkpoint
+        counts the epochs it has left, and so closes as the fit it resumes would have.
         Long periods cost accuracy at the end of a fit, where the replicas' last moves apart
         are not averaged away: on the parity suite (Adam, seeds 0-9) averaging at 50 ended
         5.6 points below one process on its attention task at 4 workers, and with the fit's
