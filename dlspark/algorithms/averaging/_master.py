@@ -36,11 +36,10 @@ class ParameterAveraging(Algorithm):
         whole fit). Counted within each ``fit`` call, so two calls of 10 epochs with
         ``final_epochs=3`` each close with 3 such epochs; a fit resumed from a checkpoint
         counts the epochs it has left, and so closes as the fit it resumes would have.
-        Long periods cost accuracy at the end of a fit, where the replicas' last moves apart
-        are not averaged away: on the parity suite (Adam, seeds 0-9) averaging at 50 ended
-        5.6 points below one process on its attention task at 4 workers, and with the fit's
-        last three epochs at 5 within 0.7 points of it on every task at 2 and 4 workers, with
-        1.5 to 3.9 times fewer rounds than averaging at 5 throughout
+        Measured on the parity suite (Adam, seeds 0-9): averaging at 50 ended 5.6 points
+        below one process on its attention task at 4 workers, and with the fit's last three
+        epochs at 5 within 0.7 points of it on every task at 2 and 4 workers, with 1.5 to 3.9
+        times fewer rounds than averaging at 5 throughout
         (docs/benchmarks/parity-suite.md). An ``outer_updater`` applies in these epochs too;
         the schedule was measured to hold that rule without one.
     final_frequency : int
@@ -122,12 +121,12 @@ class ParameterAveraging(Algorithm):
     """
 
     averaging_frequency: int = 5
-    final_epochs: int = 0
-    final_frequency: int = 5
     save_updater: bool = True
     fused_steps: bool = False
     outer_updater: object = None
     update_scale: object = "workers"
+    final_epochs: int = 0
+    final_frequency: int = 5
 
     name = "averaging"
 
