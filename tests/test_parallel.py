@@ -482,7 +482,9 @@ def test_same_job_as_a_two_worker_cluster_ends_at_the_same_parameters(client2, m
 @pytest.mark.slow
 def test_final_epochs_at_their_own_frequency_end_where_a_second_fit_at_it_does(client2, make_net, digits):
     # averaging every 8 minibatches with the fit's last epoch every 2: the rounds of a fit of
-    # two epochs at 8 and then one at 2, on either runtime
+    # two epochs at 8 and then one at 2, on either runtime. Every round deals both replicas as
+    # many minibatches: where it does not, Adam's step count (each replica's own) parts, and a
+    # second fit starts both replicas from the count the first ended with.
     tr, _ = digits
     data = tr[:512]  # 16 minibatches: a round of 8 a worker an epoch, or 4 rounds of 2
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=8, final_epochs=1, final_frequency=2,
