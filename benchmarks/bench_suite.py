@@ -145,7 +145,9 @@ OPTIONS = {
     "averaging-f50-scaled-last4-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 4)}),
     "averaging-f50-scaled-last5-f5": ("averaging", {"averaging_frequency": 50, "frequent_epochs": ("last", 5)}),
     # the same as -last3-f5 in one fit, by the library's own option (ParameterAveraging's
-    # final_epochs): the fit ends where the two fits above end, as tests/test_parallel.py checks
+    # final_epochs): where every round deals the replicas as many minibatches the fit ends
+    # where the two fits above end (tests/test_parallel.py); elsewhere Adam's per-replica step
+    # count makes them differ in the low bits (docs/benchmarks/parity-suite.md)
     "averaging-f50-final3": ("averaging", {"averaging_frequency": 50, "final_epochs": 3}),
     # DiLoCo's outer Nesterov step at 50 (inner steps one worker's, as under any outer step), the
     # fit's last three epochs at 5 with the plain mean of scaled steps, as in the run above:
