@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from .._validate import positive_int
 from ..distributed._messages import JobOptions, Reply
+from ..distributed._plan import Coordinator
 from ..stats._record import RoundFigures
 from ._replica_common import mean_of
 
@@ -154,6 +155,11 @@ class Algorithm(abc.ABC):
         """The master's settings the job machine plans from."""
         return {"steps_per_round": self.steps_per_round, "repartition": self.repartition,
                 "repartition_strategy": self.repartition_strategy}
+
+    def planner(self, partitions, epochs, skip=()) -> Coordinator:
+        """The round planner of a fit of ``epochs`` over devices (a ParallelWrapper's run),
+        built from the options a cluster's job machine plans from: the same rounds on either."""
+        return Coordinator.from_options(partitions, JobOptions(epochs, skip=tuple(skip), **self.job_options()))
 
     @property
     def prefetch_depth(self) -> int:

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._mesh import FitOutcome, by_device, first, lead, replica_rngs
-from ..distributed._plan import Coordinator
 from ..stats._record import RoundStats, iteration_rows
 from ._replica_common import ReplicaFigures
 
@@ -66,8 +65,7 @@ class ReplicaDeviceRun:
         states = [jax.device_put(net.state.replace(rng=r), d, may_alias=False) for r, d in zip(rngs, ex.devices)]
         carry0 = master.init_carry(net.state.params)
         carries = [jax.device_put(carry0, d) for d in ex.devices]
-        planner = Coordinator(partitions, epochs, master.steps_per_round, master.repartition,
-                              master.repartition_strategy, skip=skip)
+        planner = master.planner(partitions, epochs, skip)
         step = net.steps.train_step
         stats = []
         while (plan := planner.plan_round(ranks)) is not None:

@@ -111,10 +111,7 @@ class JobMachine:
         self.driver = driver
         self.options = options
         self.settings = settings
-        self.planner = Coordinator(partitions, options.epochs, options.steps_per_round, options.repartition,
-                                   options.repartition_strategy, skip=options.skip,
-                                   final_epochs=options.final_epochs,
-                                   final_steps_per_round=options.final_steps_per_round)
+        self.planner = Coordinator.from_options(partitions, options)
         self.next_rank = len(self.live)
         self.arrived: set = set()  # joined the cluster mid-fit, to be set up at the next round
         self.joining: dict = {}  # worker -> tries so far

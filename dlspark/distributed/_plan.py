@@ -77,6 +77,15 @@ class Coordinator:
         self._pending: deque = deque()
         self._fill()
 
+    @classmethod
+    def from_options(cls, partitions, options) -> Coordinator:
+        """The planner of a job's :class:`~dlspark.distributed._messages.JobOptions` (its
+        ``epochs`` and ``skip``, and the settings its master's ``job_options()`` names): both
+        runtimes build their planners here, so that a master's setting reaches either."""
+        return cls(partitions, options.epochs, options.steps_per_round, options.repartition,
+                   options.repartition_strategy, skip=options.skip, final_epochs=options.final_epochs,
+                   final_steps_per_round=options.final_steps_per_round)
+
     # -- epochs ----------------------------------------------------------------
     def _fill(self):
         self._pending = deque(i for i in range(self.n) if i not in self.done)

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._mesh import FitOutcome, by_device, first, lead, replica_rngs
-from ...distributed._plan import Coordinator
 from ...network import one_shape
 from ...stats._record import RoundStats, iteration_rows
 from ._messages import AveragingFigures
@@ -45,9 +44,7 @@ class _Rounds:
     def __init__(self, runtime, refs, partitions, epochs, skip, ahead):
         m = runtime.master
         self.runtime, self.refs = runtime, refs
-        self.planner = Coordinator(partitions, epochs, m.averaging_frequency, m.repartition,
-                                   m.repartition_strategy, skip=skip, final_epochs=m.final_epochs,
-                                   final_steps_per_round=m.final_frequency)
+        self.planner = m.planner(partitions, epochs, skip)
         self.wait = 0.0
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=ahead) if ahead else None

@@ -33,7 +33,6 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..._mesh import FitOutcome, divergence, replica_rngs, stitched_updater_state
-from ...distributed._plan import Coordinator
 from ...stats._record import RoundStats, iteration_rows
 from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, encode_scratch
 from ._messages import SharingFigures
@@ -71,8 +70,7 @@ def _schedule(master, partitions, epochs, skip, n_dev):
     planner's progress after it and its steps, each ``[minibatch index or None] * n_dev``
     (a replica whose share is shorter idles at the round's last steps). Planning is
     deterministic here (no replica is ever lost)."""
-    planner = Coordinator(partitions, epochs, master.steps_per_round, master.repartition,
-                          master.repartition_strategy, skip=skip)
+    planner = master.planner(partitions, epochs, skip)
     ranks = list(range(n_dev))
     while (plan := planner.plan_round(ranks)) is not None:
         planner.complete_round(plan, plan.contributors)
