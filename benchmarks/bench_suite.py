@@ -54,6 +54,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -616,7 +617,7 @@ def _spread(d):
 def summary(results):
     """Tables in ``docs/_data``'s shape: the paired differences per task, run and worker count,
     and the rule per algorithm and worker count (over the tasks that have results)."""
-    rows, means = [], {}
+    rows, means, mixed = [], {}, []
     for name, task in TASKS.items():
         for w in sorted({r["workers"] for r in results if r["task"] == name and r["workers"] > 1}):
             for run in [a for a in [*RUNS, *REFERENCES] if any(r["task"] == name and r["run"] == a for r in results)]:
@@ -630,6 +631,9 @@ def summary(results):
                          if (r["task"], r["run"], r["workers"]) == (name, run, w) and "dense_bytes" in r]
                 rows.append([name, "yes" if task.held_out else "no", task.metric, run, w, len(d), *_spread(d),
                              *_spread(g)[:2], f"{min(ratio):.0f}x" if ratio else ""])
+                crossed, pairs = across_installs(results, name, run, w, ("single", 1))
+                if crossed:
+                    mixed.append(f"{name} {run} at {w} workers ({crossed} of {pairs})")
     rule = []
     for (run, w), m in sorted(means.items()):
         worst, mean = min(m), float(np.mean(m))
@@ -645,7 +649,9 @@ def summary(results):
         {"title": "Paired differences from the single process (points; positive is better)",
          "columns": ["task", "held out", "metric", "algorithm", "workers", "seeds", "mean", "se", "min / max",
                      "mean vs single at the global batch", "se (global)", "dense / sent bytes (min)"],
-         "rows": rows},
+         "rows": rows,
+         **({"note": "Paired across installs (the run and its single process under different package versions "
+                     "or CPUs, which alone can move a seed's figure): " + "; ".join(mixed) + "."} if mixed else {})},
         {"title": "The rule: every task's mean >= -1.0 point, their average >= -0.5",
          "columns": ["algorithm", "workers", "tasks", "worst task's mean", "average over tasks", "holds"],
          "rows": rule, **({"note": partial} if partial else {})},
@@ -659,14 +665,59 @@ def _machine():
             f"jax {jax.__version__}; the embedded LocalCluster")
 
 
-def write(out, results, command, source):
+#: the packages whose versions decide a result's bits besides dlspark's own code
+INSTALL_PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
+
+
+def install() -> str:
+    """What decides a result's bits besides the code: the numeric packages' versions and the
+    CPU (XLA:CPU compiles for the features it finds there). The same code on two installs can
+    part in the low bits, which on the suite's noisiest tasks moves a seed by points."""
+    from importlib import metadata
+
+    packages = ", ".join(f"{p} {metadata.version(p)}" for p in INSTALL_PACKAGES)
+    model, flags = "CPU model unknown", ""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "CPU model unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = " ".join(sorted(value.split()))
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:8] if flags else "unknown"
+    return f"{packages}; {model} ({platform.machine()}, CPU flags {digest})"
+
+
+def install_id(text: str) -> str:
+    """A result's short name for its :func:`install` (the file maps it back under ``installs``)."""
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def write(out, results, command, source, installs=None):
     _save(out, {"suite": "parity suite", "command": command, "machine": _machine(), "source": source,
-                "tables": summary(results), "results": results})
+                "installs": installs or {}, "tables": summary(results), "results": results})
 
 
 def _results(path):
     loaded = _load(path)
     return loaded["results"] if isinstance(loaded, dict) else loaded
+
+
+def _installs(path):
+    loaded = _load(path)
+    return dict(loaded.get("installs", {})) if isinstance(loaded, dict) else {}
+
+
+def across_installs(results, task, run, workers, against):
+    """``(pairs across installs, pairs)`` of a run against a reference ``(run, workers)``: the
+    pairs whose two results name different installs (results without one are not counted)."""
+    ref = {r["seed"]: r.get("install") for r in results if r["task"] == task and (r["run"], r["workers"]) == against}
+    mine = [r.get("install") for r in results
+            if r["task"] == task and r["run"] == run and r["workers"] == workers and r["seed"] in ref]
+    ref_of = [ref[r["seed"]] for r in results
+              if r["task"] == task and r["run"] == run and r["workers"] == workers and r["seed"] in ref]
+    return sum(1 for a, b in zip(mine, ref_of) if a and b and a != b), len(mine)
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -691,6 +742,14 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
             raise SystemExit(f"{out} holds {r['task']} results at {r['epochs']} epochs and the suite trains "
                              f"{TASKS[r['task']].epochs}: give another --out")
     done = {(r["task"], r["run"], r["workers"], r["seed"]) for r in results}
+    here = install()
+    stamp = install_id(here)
+    installs = {**_installs(out), stamp: here}
+    others = sorted({r["install"] for r in results if r["task"] in tasks and r["run"] == "single"
+                     and r.get("install", stamp) != stamp})
+    if others:  # results made here would be paired with single processes of another install
+        print(f"{out}: its single processes of these tasks were run under other installs ({', '.join(others)}; "
+              f"this one is {stamp}: {here}); the tables name every pair across installs", file=sys.stderr)
     data = {t: TASKS[t].data() for t in tasks}
 
     def record(task, run, w, seed, fn, *args):
@@ -698,10 +757,11 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
             return
         t0 = time.perf_counter()
         r = {"task": task, "run": run, "workers": w, "seed": seed, "epochs": TASKS[task].epochs,
-             "metric": TASKS[task].metric, **fn(*args), "seconds": round(time.perf_counter() - t0, 2)}
+             "metric": TASKS[task].metric, **fn(*args), "seconds": round(time.perf_counter() - t0, 2),
+             "install": stamp}
         results.append(r)
         done.add((task, run, w, seed))
-        write(out, results, command, source)
+        write(out, results, command, source, installs)
         print(json.dumps(r), flush=True)
 
     references = [a for a in algorithms if a in REFERENCES]

@@ -142,6 +142,37 @@ def test_a_reference_run_is_one_process_at_the_global_minibatch_with_the_scaled_
     tables = bench_suite.summary(bench_suite._results(out))
     assert [row[3] for row in tables[0]["rows"]] == ["single-global-lr-linear"]  # tabled against the single process
     assert tables[1]["rows"] == []  # and not an algorithm under the rule
+    # every result names the install it ran under, and the file maps the name to what it was
+    saved = bench_suite._load(out)
+    here = bench_suite.install()
+    assert {r["install"] for r in results} == {bench_suite.install_id(here)}
+    assert saved["installs"] == {bench_suite.install_id(here): here}
+    assert all(f"{p} " in here for p in bench_suite.INSTALL_PACKAGES) and "CPU flags " in here
+    assert "note" not in tables[0]  # one install: no pair across installs
+
+
+def test_pairs_across_installs_are_named_in_the_tables(capsys, tmp_path):
+    def result(run, workers, seed, install, value=0.9):
+        r = {"task": "cancer", "run": run, "workers": workers, "seed": seed, "epochs": 20, "metric": "accuracy",
+             "value": value}
+        return {**r, "install": install} if install else r
+
+    singles = [result("single", 1, 0, "aaaa"), result("single", 1, 1, "aaaa")]
+    same = singles + [result("sharing", 2, 0, "aaaa"), result("sharing", 2, 1, "aaaa")]
+    mixed = singles + [result("sharing", 2, 0, "aaaa"), result("sharing", 2, 1, "bbbb")]
+    unknown = singles + [result("sharing", 2, 0, None), result("sharing", 2, 1, None)]
+    assert bench_suite.across_installs(mixed, "cancer", "sharing", 2, ("single", 1)) == (1, 2)
+    assert bench_suite.across_installs(same, "cancer", "sharing", 2, ("single", 1)) == (0, 2)
+    assert bench_suite.across_installs(unknown, "cancer", "sharing", 2, ("single", 1)) == (0, 2)  # not known
+    assert "note" not in bench_suite.summary(same)[0]
+    assert "cancer sharing at 2 workers (1 of 2)" in bench_suite.summary(mixed)[0]["note"]
+    # a run into a file whose single processes came from another install says so before it trains
+    out = str(tmp_path / "suite.json")
+    bench_suite.write(out, singles, "", "", {"aaaa": "another install"})
+    bench_suite.run_grid(["cancer"], [0], [2], [], out)  # trains the single process at the global batch
+    assert "run under other installs (aaaa; this one is" in capsys.readouterr().err
+    here = bench_suite.install()
+    assert bench_suite._installs(out) == {"aaaa": "another install", bench_suite.install_id(here): here}
 
 
 def test_the_wrapper_runtime_trains_the_clusters_job_to_the_same_bits(client2, tmp_path):
