@@ -245,8 +245,9 @@ def test_fit_paths_local_directory_and_dask_inputs(client2, make_net, digits, tm
     dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16)
     net = _digits_net(make_net)
     trainer = DistributedTrainer(client2, net, ParameterAveraging(averaging_frequency=2), progress=False)
-    trainer.fit_paths(str(tmp_path / "mb"), epochs=8)
-    assert accuracy(net, te) >= DIGITS_ACCURACY
+    trainer.fit_paths(str(tmp_path / "mb"), epochs=2)  # reaching 95% is the test above's; here, reading
+    assert net.iteration == 2 * int(np.ceil(len(tr) / 16))  # every file, each once an epoch
+    assert accuracy(net, te) > 0.9  # features with their own labels (pairs mixed up learn nothing)
     # dask array pair (export) and dask bag of DataSets (direct) train too
     x, y = da.from_array(tr.features, chunks=400), da.from_array(tr.labels, chunks=400)
     net2 = _digits_net(make_net)
@@ -292,8 +293,9 @@ def test_fit_paths_from_s3(client2, make_net, digits):
         assert urls[0].startswith("s3://") and fs.exists(urls[0])
         net = _digits_net(make_net)
         DistributedTrainer(client2, net, ParameterAveraging(averaging_frequency=2), progress=False).fit_paths(
-            "s3://dlspark-test/train/*.npz", epochs=8, storage_options=opts)
-        assert accuracy(net, te) >= DIGITS_ACCURACY
+            "s3://dlspark-test/train/*.npz", epochs=2, storage_options=opts)
+        assert net.iteration == 2 * len(urls)  # every object, each once an epoch
+        assert accuracy(net, te) > 0.9
     finally:
         server.stop()
 
