@@ -713,11 +713,9 @@ def across_installs(results, task, run, workers, against):
     """``(pairs across installs, pairs)`` of a run against a reference ``(run, workers)``: the
     pairs whose two results name different installs (results without one are not counted)."""
     ref = {r["seed"]: r.get("install") for r in results if r["task"] == task and (r["run"], r["workers"]) == against}
-    mine = [r.get("install") for r in results
-            if r["task"] == task and r["run"] == run and r["workers"] == workers and r["seed"] in ref]
-    ref_of = [ref[r["seed"]] for r in results
-              if r["task"] == task and r["run"] == run and r["workers"] == workers and r["seed"] in ref]
-    return sum(1 for a, b in zip(mine, ref_of) if a and b and a != b), len(mine)
+    pairs = [(r.get("install"), ref[r["seed"]]) for r in results
+             if r["task"] == task and r["run"] == run and r["workers"] == workers and r["seed"] in ref]
+    return sum(1 for a, b in pairs if a and b and a != b), len(pairs)
 
 
 # -- the run --------------------------------------------------------------------------------------
