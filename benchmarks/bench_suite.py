@@ -685,12 +685,13 @@ def install() -> str:
                     model = value.strip()
                 elif key.strip() == "flags" and not flags:
                     flags = " ".join(sorted(value.split()))
-    digest = hashlib.sha1(flags.encode()).hexdigest()[:8] if flags else "unknown"
+    digest = install_id(flags) if flags else "unknown"
     return f"{packages}; {model} ({platform.machine()}, CPU flags {digest})"
 
 
 def install_id(text: str) -> str:
-    """A result's short name for its :func:`install` (the file maps it back under ``installs``)."""
+    """A result's short name for its :func:`install` (the file maps it back under ``installs``);
+    :func:`install` names the CPU's feature flags the same way."""
     return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
@@ -699,14 +700,14 @@ def write(out, results, command, source, installs=None):
                 "installs": installs or {}, "tables": summary(results), "results": results})
 
 
+def _contents(path):
+    """A results file's results and the installs they name (a bare list, the older shape, names none)."""
+    loaded = _load(path)
+    return (loaded["results"], dict(loaded.get("installs", {}))) if isinstance(loaded, dict) else (loaded, {})
+
+
 def _results(path):
-    loaded = _load(path)
-    return loaded["results"] if isinstance(loaded, dict) else loaded
-
-
-def _installs(path):
-    loaded = _load(path)
-    return dict(loaded.get("installs", {})) if isinstance(loaded, dict) else {}
+    return _contents(path)[0]
 
 
 def across_installs(results, task, run, workers, against):
@@ -734,7 +735,7 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
     if runtime == "cluster" and replacing:  # the replaced pieces are the wrapper's
         raise SystemExit(f"{', '.join(replacing)} replace a piece of the ParallelWrapper's step: run them with "
                          "--runtime wrapper")
-    results = _results(out)
+    results, installs = _contents(out)
     for r in results:  # results at another budget must not be paired with these
         if r["task"] in tasks and r["epochs"] != TASKS[r["task"]].epochs:
             raise SystemExit(f"{out} holds {r['task']} results at {r['epochs']} epochs and the suite trains "
@@ -742,7 +743,7 @@ def run_grid(tasks, seeds, workers, algorithms, out, command="", source="benchma
     done = {(r["task"], r["run"], r["workers"], r["seed"]) for r in results}
     here = install()
     stamp = install_id(here)
-    installs = {**_installs(out), stamp: here}
+    installs[stamp] = here
     others = sorted({r["install"] for r in results if r["task"] in tasks and r["run"] == "single"
                      and r.get("install", stamp) != stamp})
     if others:  # results made here would be paired with single processes of another install

@@ -172,7 +172,7 @@ def test_pairs_across_installs_are_named_in_the_tables(capsys, tmp_path):
     bench_suite.run_grid(["cancer"], [0], [2], [], out)  # trains the single process at the global batch
     assert "run under other installs (aaaa; this one is" in capsys.readouterr().err
     here = bench_suite.install()
-    assert bench_suite._installs(out) == {"aaaa": "another install", bench_suite.install_id(here): here}
+    assert bench_suite._contents(out)[1] == {"aaaa": "another install", bench_suite.install_id(here): here}
 
 
 def test_the_wrapper_runtime_trains_the_clusters_job_to_the_same_bits(client2, tmp_path):
