@@ -230,6 +230,20 @@ def test_the_compiled_scan_is_used_when_numba_is_installed():
     assert _encoding._SCAN is not None
 
 
+def test_a_new_process_loads_the_compiled_scan_from_the_cache():
+    # every worker process encodes; compiling the scan there again cost about 0.4 s a process
+    import subprocess
+    import sys
+
+    pytest.importorskip("numba")
+    code = ("import numpy as np; from dlspark.algorithms.sharing import _encoding as e; "
+            "e.threshold_encode(np.arange(200, dtype=np.float32), 50.0); s = e._SCAN.stats; "
+            "print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+            for _ in range(2)]
+    assert runs[1] == ["1", "0"], runs  # the second process compiled nothing: the first left it on disk
+
+
 @settings(max_examples=200, deadline=None)
 @given(arrays(np.float32, st.integers(1, 700), elements=st.floats(-10, 10, width=32)), thresholds,
        st.sampled_from([64, 100, 1 << 19]))

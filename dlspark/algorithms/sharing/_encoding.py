@@ -89,7 +89,16 @@ def encode_scratch(length: int) -> tuple:
 
 
 def _compiled_scan():
-    @numba.njit(nogil=True)
+    try:
+        # compiled once per installation, not once per worker process (about 0.4 s each);
+        # numba raises when it finds no writable place for its cache
+        return _scan_compiler(cache=True)
+    except RuntimeError:
+        return _scan_compiler(cache=False)
+
+
+def _scan_compiler(cache: bool):
+    @numba.njit(nogil=True, cache=cache)
     def scan(r, t, found):
         # Indices i with |r[i]| >= t, written to ``found``; returns how many. Elements go
         # 64 at a time through a test the compiler vectorises; only a group holding a
