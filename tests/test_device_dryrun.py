@@ -106,6 +106,16 @@ def test_every_measured_segment_counts_rounds_in_the_full_and_the_dry_run():
     assert sections.counted_rounds(24, 3, "sharing") == 0  # what the full run had first: nothing to divide by
 
 
+def test_the_gpu_worker_is_measured_with_every_algorithm_before_a_second_minibatch():
+    import run
+    import sections
+
+    pieces = sections.worker_pieces(run.FULL["gpu_cluster"])
+    assert [(a, b) for a, b, _ in pieces[:2]] == [("averaging", 160), ("sharing", 160)]
+    assert sorted(pieces) == sorted((a, b, r) for a in run.FULL["gpu_cluster"]["algorithms"]
+                                    for b, r in run.FULL["gpu_cluster"]["worker_batches"])
+
+
 def test_the_lock_pins_dask_and_distributed_with_hashes():
     pins = read_lock(LOCK)
     assert {"dask", "distributed", "tornado", "zict", "tblib", "partd", "locket"} <= set(pins)
