@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 WIDTHS = (640, 640, 640)
@@ -552,12 +551,16 @@ def main(argv=None):
                       f"{row['over_own_single_process']['median']:.2f}x its own single process, "
                       f"wire {row['wire_tx_per_worker_per_fit'] or 0:.3g} B/worker/fit, "
                       f"reported {row['reported_per_worker_per_fit'] or 0:.3g}", flush=True)
+    from _install import NUMERIC_PACKAGES, install
+
     result = {"suite": "network",
               "command": "python benchmarks/bench_network.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{os.cpu_count()} CPU cores, load average {load_before[0]:.2f} at the start and "
                          f"{os.getloadavg()[0]:.2f} at the end (1-minute); 2 workers, each a network namespace "
                          "pinned to its own core",
               "source": "benchmarks/bench_network.py, one run of the command above",
+              # the versions and the CPU the figures came from (torch's for DDP, its baseline)
+              "install": install(NUMERIC_PACKAGES + ("torch",)),
               "tables": ([table(rows, a)] if rows else []) + ([curve_table(curves, singles)] if curves else []),
               "workers": 2, "target_accuracy": TARGET_ACCURACY, "single_process_curves": singles,
               "to_accuracy": curves, "examples": a.examples, "epochs": a.epochs,

@@ -54,7 +54,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
@@ -68,6 +67,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from _install import NUMERIC_PACKAGES, install, install_id  # noqa: E402
 from bench_parity import (BATCH, RULE_EVERY, RULE_MEAN, _load, _save, cluster_client, make_master,  # noqa: E402
                           shuffled)
 
@@ -666,33 +666,7 @@ def _machine():
 
 
 #: the packages whose versions decide a result's bits besides dlspark's own code
-INSTALL_PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
-
-
-def install() -> str:
-    """What decides a result's bits besides the code: the numeric packages' versions and the
-    CPU (XLA:CPU compiles for the features it finds there). The same code on two installs can
-    part in the low bits, which on the suite's noisiest tasks moves a seed by points."""
-    from importlib import metadata
-
-    packages = ", ".join(f"{p} {metadata.version(p)}" for p in INSTALL_PACKAGES)
-    model, flags = "CPU model unknown", ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "CPU model unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = " ".join(sorted(value.split()))
-    digest = install_id(flags) if flags else "unknown"
-    return f"{packages}; {model} ({platform.machine()}, CPU flags {digest})"
-
-
-def install_id(text: str) -> str:
-    """A result's short name for its :func:`install` (the file maps it back under ``installs``);
-    :func:`install` names the CPU's feature flags the same way."""
-    return hashlib.sha1(text.encode()).hexdigest()[:8]
+INSTALL_PACKAGES = NUMERIC_PACKAGES
 
 
 def write(out, results, command, source, installs=None):

@@ -151,6 +151,13 @@ def test_a_reference_run_is_one_process_at_the_global_minibatch_with_the_scaled_
     assert "note" not in tables[0]  # one install: no pair across installs
 
 
+def test_an_install_names_a_missing_package_rather_than_failing():
+    from _install import install
+
+    here = install(("numpy", "no-such-package-here"))
+    assert here.startswith(f"numpy {np.__version__}, no-such-package-here not installed; ") and "CPU flags " in here
+
+
 def test_pairs_across_installs_are_named_in_the_tables(capsys, tmp_path):
     def result(run, workers, seed, install, value=0.9):
         r = {"task": "cancer", "run": run, "workers": workers, "seed": seed, "epochs": 20, "metric": "accuracy",
