@@ -1,4 +1,5 @@
 import atexit
+import collections
 import os
 import shutil
 import tempfile
@@ -94,9 +95,7 @@ FIRST = ("test_device_dryrun.py",)
 
 
 def pytest_collection_modifyitems(config, items):
-    count: dict = {}
-    for item in items:
-        count[item.path] = count.get(item.path, 0) + 1
+    count = collections.Counter(item.path for item in items)
     items.sort(key=lambda item: (item.path.name not in FIRST, -count[item.path], str(item.path)))
 
 
