@@ -231,7 +231,7 @@ def test_the_compiled_scan_is_used_when_numba_is_installed():
 
 
 def test_a_new_process_loads_the_compiled_scan_from_the_cache():
-    # every worker process encodes; compiling the scan there again cost about 0.4 s a process
+    # every worker process encodes; compiling the scan there again cost 0.36 s more than loading it
     import subprocess
     import sys
 
