@@ -67,7 +67,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _install import NUMERIC_PACKAGES, install, install_id  # noqa: E402
+from _install import install, install_id  # noqa: E402
 from bench_parity import (BATCH, RULE_EVERY, RULE_MEAN, _load, _save, cluster_client, make_master,  # noqa: E402
                           shuffled)
 
@@ -663,10 +663,6 @@ def _machine():
 
     return (f"{os.cpu_count()} cores ({platform.machine()}), Python {platform.python_version()}, "
             f"jax {jax.__version__}; the embedded LocalCluster")
-
-
-#: the packages whose versions decide a result's bits besides dlspark's own code
-INSTALL_PACKAGES = NUMERIC_PACKAGES
 
 
 def write(out, results, command, source, installs=None):
