@@ -100,6 +100,36 @@ def test_minibatch_files_read_as_np_load_reads_them(tmp_path, compressed):
         assert got[k].flags.writeable, k
 
 
+def test_a_header_seen_before_is_not_parsed_again_and_each_file_keeps_its_own(tmp_path, monkeypatch):
+    # a worker reads thousands of files of a few shapes: numpy's parser runs once per distinct
+    # header, and files of other shapes and dtypes, read in turn, each come back as written
+    from dlspark.data import _files
+
+    calls = []
+    parse = _files._NPY_HEADERS[(1, 0)]
+    monkeypatch.setitem(_files._NPY_HEADERS, (1, 0), lambda f: calls.append(1) or parse(f))
+    monkeypatch.setattr(_files, "_PARSED_HEADERS", {})
+    rng = np.random.default_rng(1)
+    files = {}
+    for name, (n, dtype) in {"a": (4, np.float32), "b": (6, np.float32), "c": (4, np.float64)}.items():
+        data = DataSet(rng.normal(size=(n, 3)).astype(dtype), rng.normal(size=(n, 2)).astype(np.float32))
+        files[name] = (save_dataset(data, str(tmp_path / f"{name}.npz")), data)
+    for _ in range(3):
+        for url, data in files.values():
+            back = load_minibatch(url)
+            assert back.features.dtype == data.features.dtype
+            np.testing.assert_array_equal(back.features, data.features)
+            np.testing.assert_array_equal(back.labels, data.labels)
+    # features of (4, 3) f4, (6, 3) f4, (4, 3) f8, labels of (4, 2) and (6, 2): five headers, nine files read
+    assert len(calls) == 5
+    # a header the cache holds does not make a file with less data than it says readable
+    url, _ = files["a"]
+    raw = open(url, "rb").read()
+    (tmp_path / "short.npz").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CorruptMinibatchError, match="short.npz"):
+        load_minibatch(str(tmp_path / "short.npz"))
+
+
 def test_a_flipped_bit_in_a_minibatch_file_is_refused_not_read(tmp_path):
     x, y = _arrays(50)
     good = save_dataset(DataSet(x, y), str(tmp_path / "good.npz"))
