@@ -141,7 +141,8 @@ _NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.form
 _NPY_PREFIX = {(1, 0): (10, "<H"), (2, 0): (12, "<I")}
 #: ``(shape, fortran_order, dtype)`` by the header's bytes: a worker reads thousands of minibatch
 #: files of a few shapes, and numpy's parse of a header (a ``literal_eval``) was about 45% of
-#: ``_read_npz`` for a minibatch of 8 x 64 (2026-11-28, this 2-core machine). Bounded: cleared when full.
+#: ``_read_npz`` for a minibatch of 8 x 64 (CHANGELOG; ``benchmarks/bench_loading.py``).
+#: Bounded: cleared when full.
 _PARSED_HEADERS: dict = {}
 _PARSED_HEADERS_SIZE = 256
 
