@@ -1,3 +1,6 @@
+import io
+import zipfile
+
 import fsspec
 import numpy as np
 import pytest
@@ -120,14 +123,19 @@ def test_a_header_seen_before_is_not_parsed_again_and_each_file_keeps_its_own(tm
             assert back.features.dtype == data.features.dtype
             np.testing.assert_array_equal(back.features, data.features)
             np.testing.assert_array_equal(back.labels, data.labels)
-    # features of (4, 3) f4, (6, 3) f4, (4, 3) f8, labels of (4, 2) and (6, 2): five headers, nine files read
+    # features of (4, 3) f4, (6, 3) f4, (4, 3) f8, labels of (4, 2) and (6, 2): five headers, nine reads
     assert len(calls) == 5
-    # a header the cache holds does not make a file with less data than it says readable
-    url, _ = files["a"]
-    raw = open(url, "rb").read()
-    (tmp_path / "short.npz").write_bytes(raw[: len(raw) // 2])
-    with pytest.raises(CorruptMinibatchError, match="short.npz"):
+    # a header the cache holds does not make a member with less data than it says readable: a
+    # well-formed zip (its CRCs right) whose features member lost its last element
+    _, data = files["a"]
+    with zipfile.ZipFile(tmp_path / "short.npz", "w") as z:
+        for name, array in (("features", data.features), ("labels", data.labels)):
+            npy = io.BytesIO()
+            np.save(npy, array)
+            z.writestr(f"{name}.npy", npy.getvalue()[:-4] if name == "features" else npy.getvalue())
+    with pytest.raises(CorruptMinibatchError, match="short.npz.*'features.npy' holds 44 bytes of data, not the 48"):
         load_minibatch(str(tmp_path / "short.npz"))
+    assert len(calls) == 5  # its header was the cached one
 
 
 def test_a_flipped_bit_in_a_minibatch_file_is_refused_not_read(tmp_path):
