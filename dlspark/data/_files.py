@@ -151,12 +151,10 @@ def _npy_header(data: memoryview):
     """``(shape, fortran_order, dtype, data offset)`` of the ``.npy`` file held in ``data``, or
     None for a version other than 1.0 and 2.0. A header seen before is not parsed again: the
     result is a function of its bytes alone, which are the key."""
-    version = (data[6], data[7]) if len(data) >= 8 and bytes(data[:6]) == b"\x93NUMPY" else None
+    with NPY_READ_LOCK:  # numpy's check of the magic string names what is wrong
+        version = np.lib.format.read_magic(io.BytesIO(data[:8]))
     if version not in _NPY_PREFIX:
-        with NPY_READ_LOCK:  # numpy names what is wrong (not .npy, a version it lacks)
-            version = np.lib.format.read_magic(io.BytesIO(data[:8]))
-        if version not in _NPY_HEADERS:
-            return None
+        return None
     size, fmt = _NPY_PREFIX[version]
     end = size + (struct.unpack_from(fmt, data, size - struct.calcsize(fmt))[0] if len(data) >= size else 0)
     key = bytes(data[:end])
