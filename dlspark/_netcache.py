@@ -105,6 +105,10 @@ def network_at(definition: dict, token: str, version: str, state: dict):
 
 
 def clear() -> None:
-    """Forget every cached network and state (tests; a worker's memory pressure)."""
+    """Forget every cached network and state, and the step functions shared by networks built
+    alike (tests; a worker's memory pressure)."""
+    from . import _stepshare
+
     with _LOCK:
         _ENTRIES.clear()
+    _stepshare.clear()

@@ -19,10 +19,12 @@ from . import _checks, _fit
 from ._checks import _as_tuple, _per_output
 from . import losses as _losses
 from ._fit import _SYNC_EVERY, batch_signature, one_shape  # noqa: F401  (their home was here)
+from . import _stepshare
 from .data import as_dataset, load_minibatch
 from .errors import NonFiniteLossError
 
-__all__ = ["Network", "TrainState", "StepUpdate", "StepResult", "Steps", "build_steps", "step_figures"]
+__all__ = ["Network", "TrainState", "StepUpdate", "StepResult", "Steps", "build_steps", "shared_steps",
+           "clear_shared_steps", "step_figures"]
 
 _ON_NONFINITE = ("raise", "skip")
 
@@ -292,6 +294,20 @@ def build_steps(model, loss, updater) -> Steps:
     return steps
 
 
+def shared_steps(model, loss, updater) -> Steps:
+    """:func:`build_steps`, shared by every network of this process whose model, loss and
+    updater pickle to the same bytes (:mod:`dlspark._stepshare`: a few kept, the least
+    recently used dropped first). The steps are pure functions: networks sharing them share
+    no state, only the traced and compiled programs. A model or updater that cannot be
+    pickled gets steps of its own."""
+    return _stepshare.shared((model, loss, updater), lambda: build_steps(model, loss, updater))
+
+
+def clear_shared_steps() -> None:
+    """Forget the steps kept by :func:`shared_steps`: a network built afterwards traces its own."""
+    _stepshare.clear()
+
+
 def _named(fn, name):
     """``fn`` under ``name``, the name its compiled program is known by (``jit(name)``)."""
     fn.__name__ = fn.__qualname__ = name
@@ -391,9 +407,10 @@ class Network:
 
     @property
     def steps(self) -> Steps:
-        """The jitted step functions, built on first use."""
+        """The jitted step functions, built on first use: shared with every network of this
+        process built alike (``shared_steps``), so each input shape traces once."""
         if self._steps is None:
-            self._steps = build_steps(self.model, self._loss, self.updater)
+            self._steps = shared_steps(self.model, self._loss, self.updater)
         return self._steps
 
     @property

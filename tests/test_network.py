@@ -219,6 +219,44 @@ def test_nonfinite_loss_raises_naming_the_iteration_and_keeps_params(make_net, d
     assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree_util.tree_leaves(skipper.params))
 
 
+@pytest.fixture
+def fresh_steps():
+    """For the tests that count compiled programs: no network built alike earlier in this
+    process (whose step functions a new network shares) has compiled any yet."""
+    dlspark.network.clear_shared_steps()
+
+
+def test_networks_built_alike_share_their_step_functions_and_nothing_else(make_net, digits):
+    import threading
+
+    tr, _ = digits
+    first, second = make_net(), make_net()  # two flax modules and two updaters, built alike
+    assert second.steps is first.steps
+    first.fit(tr[:640], batch_size=64)
+    compiled = {name: getattr(first.steps, name)._cache_size() for name in first.steps._fields}
+    second.fit(tr[:640], batch_size=64)
+    # nothing traced or compiled again, and each network trained its own state: same seed, same bits
+    assert {name: getattr(second.steps, name)._cache_size() for name in second.steps._fields} == compiled
+    assert tree_equal(second.state, first.state) and second.state.params is not first.state.params
+    second.fit(tr[640:960], batch_size=64)
+    assert first.iteration == 10 and second.iteration == 15
+    # whatever changes the programs gets its own: the model, the updater's settings, the loss
+    for other in (make_net(MLP(hidden=32)), make_net(updater=optax.adam(1e-3)), make_net(loss="mse")):
+        assert other.steps is not first.steps
+    # an updater that cannot be pickled: its network builds its own steps and trains
+    lock, adam = threading.Lock(), optax.adam(1e-2)
+
+    def update(updates, state, params=None):
+        with lock:
+            return adam.update(updates, state, params)
+
+    odd = make_net(updater=optax.GradientTransformation(adam.init, update))
+    assert odd.steps is not make_net(updater=optax.GradientTransformation(adam.init, update)).steps
+    odd.fit(tr[:640], batch_size=64)
+    assert tree_equal(odd.state.params, first.state.params)
+
+
+@pytest.mark.usefixtures("fresh_steps")
 def test_train_step_is_compiled_once(make_net, digits):
     tr, _ = digits
     net = make_net()
@@ -287,6 +325,7 @@ def test_skip_mid_window_replays_the_window_and_leaves_out_only_the_bad_step(mak
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("fresh_steps")
 @pytest.mark.parametrize("steps_per_call", [None, 1])
 def test_a_non_finite_step_in_a_later_window_is_replayed_from_that_window_s_start(make_net, digits, steps_per_call):
     # A window is replayed from the copy of the state the previous window ended with: past the
@@ -337,13 +376,15 @@ def test_fit_fuses_runs_of_same_shape_minibatches_with_the_bits_of_one_call_each
     # default fuses runs of 16 into one call, and every count must train as one call per step.
     tr, _ = digits
     batches = tr[:16 * 40 + 5].batches(16)
-    nets = {}
+    nets, sizes = {}, {}
     for k in (None, 1, 7):
+        dlspark.network.clear_shared_steps()  # each net compiles its own, to be counted
         net = nets[k] = make_net(module=MLP(dropout=0.2))
         net.fit(batches, epochs=3, shuffle=True, steps_per_call=k)
         assert net.iteration == 3 * 41 and net.epoch == 3
-    assert nets[None].steps.loop_steps._cache_size() == 1  # one program for every fused call
-    assert nets[1].steps.loop_steps._cache_size() == 0
+        sizes[k] = net.steps.loop_steps._cache_size()
+    assert sizes[None] == 1  # one program for every fused call
+    assert sizes[1] == 0
     for k in (None, 7):
         assert tree_equal(nets[k].state, nets[1].state)
         assert nets[k].score_history == nets[1].score_history
@@ -355,13 +396,15 @@ def test_fused_calls_span_windows_and_shape_changes_with_the_bits_of_one_call_ea
     tr, _ = digits
     small, odd = tr[:8 * 170].batches(8), tr[:5 * 6].batches(5)
     batches = small[:50] + odd[:3] + small[50:130] + odd[3:] + small[130:]
-    nets = {}
+    nets, sizes = {}, {}
     for k in (1, None, 7):
+        dlspark.network.clear_shared_steps()  # each net compiles its own, to be counted
         net = nets[k] = make_net()
         net.fit(batches, epochs=2, steps_per_call=k)
         assert net.iteration == 2 * 176 and net.epoch == 2
+        sizes[k] = net.steps.loop_steps._cache_size()
     for k in (None, 7):
-        assert nets[k].steps.loop_steps._cache_size() == 1
+        assert sizes[k] == 1
         assert tree_equal(nets[k].state, nets[1].state)
         assert nets[k].score_history == nets[1].score_history
 
@@ -383,6 +426,7 @@ def test_a_minibatch_that_cannot_be_fed_ends_the_fit_after_the_ones_before_it(ma
     assert net.iteration == 50
 
 
+@pytest.mark.usefixtures("fresh_steps")
 def test_fit_steps_one_call_per_minibatch_for_convolutions_and_large_minibatches(make_net, digits):
     class Conv(nn.Module):
         @nn.compact

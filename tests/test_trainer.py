@@ -7,7 +7,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, FiniteOutputs, accuracy, kill_at_round, slow_loader
+from conftest import (
+    MLP,
+    FiniteOutputs,
+    accuracy,
+    kill_at_round,
+    slow_loader,
+    tree_equal,
+)
 
 import dlspark
 from dlspark import DataSet, DistributedTrainer, ParameterAveraging
@@ -128,8 +135,6 @@ def test_a_second_fit_sends_only_what_the_workers_do_not_hold(client2, make_net,
     from them is sent only the arrays that differ (averaging: the random key), and ends where a
     fit sent everything ends, bit for bit; a worker that no longer holds the state named is
     sent everything."""
-    from conftest import tree_equal
-
     from dlspark.checkpoint import state_to_arrays
 
     batches = digits[0][:256].batches(32)  # 8 minibatches: 2 rounds of 2 workers x 2
@@ -156,6 +161,29 @@ def test_a_second_fit_sends_only_what_the_workers_do_not_hold(client2, make_net,
     # the spec (a few kB) and, the second time, the random keys
     assert sent[0] >= 2 * state and sent[1] < 0.05 * state, (sent, state)
     assert [e["bytes"] for e in fresh.training_stats.select(phase="broadcast")][0] >= 2 * (state + momentum)
+
+
+def _shared_step_sets():
+    from dlspark import _stepshare
+
+    return {id(steps) for steps in _stepshare._SHARED.values()}
+
+
+def test_a_network_built_alike_trains_on_the_step_functions_the_workers_already_built(client2, make_net, digits):
+    # each client-side network is a job of its own (its own token, state and worker cache entry),
+    # but a worker builds step functions only for a definition it has not met
+    batches = digits[0][:256].batches(32)
+    master = ParameterAveraging(averaging_frequency=2, training_approach="direct")
+    first = make_net(MLP(hidden=48))
+    DistributedTrainer(client2, first, master, progress=False).fit(batches)
+    before = client2.run(_shared_step_sets)
+    second = make_net(MLP(hidden=48))
+    DistributedTrainer(client2, second, master, progress=False).fit(batches)
+    assert client2.run(_shared_step_sets) == before
+    assert tree_equal(second.state, first.state)  # the same job twice, the same bits
+    DistributedTrainer(client2, make_net(MLP(hidden=40)), master, progress=False).fit(batches)
+    after = client2.run(_shared_step_sets)
+    assert all(after[w] - before[w] for w in before), (before, after)  # a definition it had not met
 
 
 def _with_bad_minibatches(tr, kind):

@@ -177,14 +177,15 @@ def settled_scale(master) -> float:
 
 def round_steps(net, update_scale: float):
     """The network's step functions with its updater's updates times ``update_scale``: the
-    network's own at 1, else built once per scale and kept with the network."""
+    network's own at 1, else built once per scale and kept with the network (and shared with
+    networks built alike)."""
     if update_scale == 1:
         return net.steps
     kept = net.__dict__.setdefault("_scaled_steps", {})
     if update_scale not in kept or kept[update_scale][0] is not net.updater:  # built for this updater
-        from ...network import build_steps
+        from ...network import shared_steps
 
-        kept[update_scale] = (net.updater, build_steps(net.model, net._loss, scaled_updater(net.updater, update_scale)))
+        kept[update_scale] = (net.updater, shared_steps(net.model, net._loss, scaled_updater(net.updater, update_scale)))
     return kept[update_scale][1]
 
 
