@@ -15,8 +15,9 @@ import hashlib
 import io
 import sys
 import threading
+import types
 
-__all__ = ["shared", "clear", "SHARED_STEPS"]
+__all__ = ["SHARED_STEPS", "clear", "shared"]
 
 #: definition key -> Steps, least recently used first (:func:`shared`)
 _SHARED: collections.OrderedDict = collections.OrderedDict()
@@ -33,6 +34,10 @@ def _definition_key(model, loss, updater) -> str | None:
     other (so that modules hash alike as static arguments of ``jax.jit``); the digest follows
     flax and leaves it out. Anything else that differs between two networks built alike (a
     Keras layer's counter-made name) only keeps them apart.
+
+    A class or function that pickles by reference (by its module and name) is also keyed by
+    its identity: a module reloaded with new code (``importlib.reload``, IPython's autoreload)
+    gives new objects under the old names, and a network built from them must trace them.
     """
     import cloudpickle
 
@@ -43,14 +48,29 @@ def _definition_key(model, loss, updater) -> str | None:
         def reducer_override(self, obj):
             if flax_id is not None and type(obj) is flax_id:
                 return int, (0,)
+            if isinstance(obj, (type, types.FunctionType)) and _by_reference(obj):
+                # never loaded, only hashed; the callable is a builtin function, not a type or a
+                # Python function, so that this hook does not meet it again
+                return getattr, (f"{obj.__module__}:{obj.__qualname__}", str(id(obj)))
             return super().reducer_override(obj)
 
     buf = io.BytesIO()
     try:
         KeyPickler(buf, protocol=5).dump((model, loss, updater))
-    except Exception:  # an unpicklable model or updater: its network keeps steps of its own
+    except Exception:  # noqa: BLE001  (whatever stops the pickle: the network keeps steps of its own)
         return None
     return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def _by_reference(obj) -> bool:
+    """Whether ``obj`` is found under its module and qualified name (so pickles by reference)."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__":
+        return False
+    found = module
+    for part in getattr(obj, "__qualname__", "").split("."):
+        found = getattr(found, part, None)
+    return found is obj
 
 
 def shared(parts: tuple, build):

@@ -219,6 +219,35 @@ def test_nonfinite_loss_raises_naming_the_iteration_and_keeps_params(make_net, d
     assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree_util.tree_leaves(skipper.params))
 
 
+def test_a_reloaded_module_s_model_gets_steps_of_its_own(digits, tmp_path, monkeypatch):
+    # a class pickles by its module and name: after importlib.reload (or IPython's autoreload)
+    # the same name holds new code, which a network built from it must run
+    import importlib
+    import sys
+
+    code = ("import flax.linen as nn\n\n\nclass Net(nn.Module):\n"
+            "    @nn.compact\n    def __call__(self, x):\n        return {}\n")
+    (tmp_path / "edited_net.py").write_text(code.format("nn.Dense(10)(x)"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import edited_net
+
+    x = digits[0].features[:4]
+
+    def build():
+        return Network(Model.from_flax(edited_net.Net(), x[:1]), updater=optax.sgd(0.1))
+
+    before = build()
+    assert build().steps is before.steps  # the same class: shared
+    (tmp_path / "edited_net.py").write_text(code.format("nn.Dense(10)(x) * 0.0"))
+    importlib.reload(edited_net)
+    try:
+        after = build()
+        assert after.steps is not before.steps
+        assert not np.any(np.asarray(after.output(x))) and np.any(np.asarray(before.output(x)))
+    finally:
+        sys.modules.pop("edited_net", None)
+
+
 @pytest.fixture
 def fresh_steps():
     """For the tests that count compiled programs: no network built alike earlier in this
