@@ -17,7 +17,7 @@ import collections
 import copy
 import threading
 
-from . import config
+from . import _stepshare, config
 
 __all__ = ["cached_network", "network_at", "clear"]
 
@@ -107,8 +107,6 @@ def network_at(definition: dict, token: str, version: str, state: dict):
 def clear() -> None:
     """Forget every cached network and state, and the step functions shared by networks built
     alike (tests; a worker's memory pressure)."""
-    from . import _stepshare
-
     with _LOCK:
         _ENTRIES.clear()
     _stepshare.clear()

@@ -26,8 +26,9 @@ _SHARED_LOCK = threading.Lock()
 SHARED_STEPS = 8
 
 
-def _definition_key(model, loss, updater) -> str | None:
-    """A digest of what the step functions are built from, or None when it cannot be pickled.
+def _definition_key(parts: tuple) -> str | None:
+    """A digest of what the step functions are built from (a network's model, loss and
+    updater), or None when it cannot be pickled.
 
     Equal digests mean equal pickles, so equal programs: the key never joins two networks
     that train differently. Flax gives each module instance an id that compares equal to every
@@ -56,7 +57,7 @@ def _definition_key(model, loss, updater) -> str | None:
 
     buf = io.BytesIO()
     try:
-        KeyPickler(buf, protocol=5).dump((model, loss, updater))
+        KeyPickler(buf, protocol=5).dump(parts)
     except Exception:  # noqa: BLE001  (whatever stops the pickle: the network keeps steps of its own)
         return None
     return hashlib.sha256(buf.getvalue()).hexdigest()
@@ -77,7 +78,7 @@ def shared(parts: tuple, build):
     """``build()``, kept and handed to every later call whose ``parts`` pickle to the same
     bytes (:data:`SHARED_STEPS` results kept, the least recently used dropped first); when
     ``parts`` cannot be pickled, a new ``build()`` each time, never kept."""
-    key = _definition_key(*parts)
+    key = _definition_key(parts)
     if key is None:
         return build()
     with _SHARED_LOCK:  # building traces nothing yet (jax.jit wrappers): quick under the lock
