@@ -227,7 +227,20 @@ def test_blockwise_scan_equals_one_block(monkeypatch, sparsity):
 
 def test_the_compiled_scan_is_used_when_numba_is_installed():
     pytest.importorskip("numba")  # the test extra installs it: CI runs the compiled scan
-    assert _encoding._SCAN is not None
+    assert _encoding.compiled_scan() is not None and _encoding._SCAN is _encoding.compiled_scan()
+
+
+def test_importing_dlspark_loads_no_numba_until_a_gradient_sharing_job_encodes():
+    # numba's import and the scan's load cost every process 0.4 s; only an encoding one needs them
+    import subprocess
+    import sys
+
+    pytest.importorskip("numba")
+    code = ("import sys, numpy as np, dlspark; from dlspark.algorithms.sharing import _encoding as e; "
+            "print('numba' in sys.modules); e.threshold_encode(np.arange(200, dtype=np.float32), 50.0); "
+            "print('numba' in sys.modules, e._SCAN is e.compiled_scan() is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "True"], out
 
 
 def test_a_new_process_loads_the_compiled_scan_from_the_cache():
@@ -248,7 +261,7 @@ def test_a_new_process_loads_the_compiled_scan_from_the_cache():
 @given(arrays(np.float32, st.integers(1, 700), elements=st.floats(-10, 10, width=32)), thresholds,
        st.sampled_from([64, 100, 1 << 19]))
 def test_compiled_and_numpy_scans_give_the_same_message_and_residual(r, t, block):
-    if _encoding._SCAN is None:
+    if _encoding.compiled_scan() is None:
         pytest.skip("numba is not installed: only the numpy scan exists")
     r[::97] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 10.0, -10.0, 1e-30][: r[::97].size]  # edge values, group edges
     old = _encoding._BLOCK

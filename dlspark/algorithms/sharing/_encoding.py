@@ -21,11 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-try:  # optional (``pip install dlspark[fast]``): a compiled scan that reads the residual once
-    import numba
-except ImportError:  # pragma: no cover - the numpy scan below does the same, slower
-    numba = None
-
 __all__ = ["EMPTY", "SPARSE", "BITMAP", "HEADER_WORDS", "MIN_MESSAGE_ELEMENTS", "Encoded", "threshold_encode", "decode",
            "decode_into", "threshold_sending", "empty_message", "message_info", "bitmap_words", "encode_scratch",
            "scratch_size"]
@@ -88,17 +83,32 @@ def encode_scratch(length: int) -> tuple:
     return np.empty(n, np.float32), np.empty(n, bool)
 
 
-def _compiled_scan():
-    try:
-        # compiled once per installation and loaded by every later process (on 2 AMD EPYC
-        # cores a compile took 0.76 s, a load 0.40 s, before a worker's first message);
-        # numba raises when it finds no writable place for its cache
-        return _scan_compiler(cache=True)
-    except RuntimeError:
-        return _scan_compiler(cache=False)
+def compiled_scan():
+    """The compiled scan, loaded by the first call in a process; None where numba (optional:
+    ``pip install dlspark[fast]``) is not installed, and numpy's abs, compare and flatnonzero
+    find the hits. Not at import: numba costs a process that never encodes (the client, an
+    averaging worker) 0.2 s to import and 0.2 s to load the scan; a gradient-sharing worker
+    loads it when its job starts (``_state``), before its first message."""
+    global _SCAN
+    if _SCAN is _NOT_LOADED:
+        try:
+            import numba  # noqa: F401
+        except ImportError:  # pragma: no cover - the numpy scan does the same, slower
+            _SCAN = None
+        else:
+            try:
+                # compiled once per installation and loaded by every later process (on 2 AMD
+                # EPYC cores a compile took 0.76 s, a load 0.40 s); numba raises when it finds
+                # no writable place for its cache
+                _SCAN = _scan_compiler(cache=True)
+            except RuntimeError:
+                _SCAN = _scan_compiler(cache=False)
+    return _SCAN
 
 
 def _scan_compiler(cache: bool):
+    import numba
+
     @numba.njit(nogil=True, cache=cache)
     def scan(r, t, found):
         # Indices i with |r[i]| >= t, written to ``found``; returns how many. Elements go
@@ -124,8 +134,9 @@ def _scan_compiler(cache: bool):
     return scan
 
 
-#: The compiled scan, or None: then numpy's abs, compare and flatnonzero find the hits.
-_SCAN = _compiled_scan() if numba is not None else None
+_NOT_LOADED = object()
+#: The compiled scan once :func:`compiled_scan` loaded it, or None: then numpy finds the hits.
+_SCAN = _NOT_LOADED
 
 
 def threshold_sending(residual, k: int) -> float:
@@ -173,11 +184,12 @@ def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray 
     # Block by block, so that |r| and the mask stay in cache: one read of the
     # residual from memory instead of three passes over full-size temporaries.
     hits = []
+    scan = compiled_scan()
     for start in range(0, n, _BLOCK):
         m = min(_BLOCK, n - start)
-        if _SCAN is not None:
+        if scan is not None:
             found = absr.view(np.int32)  # the scratch holds the block's hit indices instead
-            k = _SCAN(r[start:start + m], t, found)
+            k = scan(r[start:start + m], t, found)
             if k:
                 hits.append(found[:k].astype(np.intp) + start)
             continue

@@ -21,7 +21,8 @@ from jax.flatten_util import ravel_pytree
 from ... import config
 from ._dgc import find_momentum, local_clip_norm, mask_momentum, sent_elements, threshold_for_density
 from ._dgc import warmup_density
-from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, decode_into, empty_message, encode_scratch, threshold_encode
+from ._encoding import (EMPTY, MIN_MESSAGE_ELEMENTS, compiled_scan, decode_into, empty_message, encode_scratch,
+                        threshold_encode)
 from ._thresholds import ThresholdState
 from ._xla import sparsity_of
 
@@ -237,6 +238,7 @@ class SharingState:
         self.n = int(flat.size)
         self.residual = np.zeros(self.n, np.float32)
         self.scratch = encode_scratch(self.n)
+        compiled_scan()  # loaded now, not in the first step's message
         # The decoded sum of a step. Reuse of its vectors is safe: a vector is written again
         # only after the next step's update was read back, which waits for the apply that read it.
         self.totals = SumVectors(self.n)
