@@ -32,7 +32,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # rests on how XLA compiles two different programs (a fused round has the bits of its steps one
 # at a time) runs under XLA's defaults in a process of its own (``under_xla_defaults``). Measured,
 # the whole suite on this 2-core machine: 1,492 s at XLA's defaults, 1,170 s at level 0 alone,
-# 1,025 s with all three. Not set where the run's environment already chooses a level (to run
+# 974 s with all three. Not set where the run's environment already chooses a level (to run
 # the suite at XLA's defaults: ``XLA_FLAGS=--xla_backend_optimization_level=3``), nor where this
 # JAX does not know the settings (XLA stops a process at an unknown flag).
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
@@ -48,8 +48,12 @@ def _xla_accepts(flags):
     return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, check=False).returncode == 0
 
 
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and _xla_accepts(FAST_COMPILE):
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FAST_COMPILE]).strip()
+# probed once per run: the processes it starts inherit the outcome
+_CHOSEN = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
+if not _CHOSEN and not os.environ.get("DLSPARK_TESTS_XLA_PROBED"):
+    os.environ["DLSPARK_TESTS_XLA_PROBED"] = "1"
+    if _xla_accepts(FAST_COMPILE):
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FAST_COMPILE]).strip()
 
 
 _AT_XLA_DEFAULTS = {}  # test function's node id -> its pytest run at XLA's defaults
