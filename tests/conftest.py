@@ -59,6 +59,11 @@ if not _CHOSEN and not os.environ.get("DLSPARK_TESTS_XLA_PROBED"):
 _AT_XLA_DEFAULTS = {}  # test function's node id -> its pytest run at XLA's defaults
 
 
+def xla_at_defaults():
+    """True where this run compiles at XLA's default settings (not ``FAST_COMPILE``)."""
+    return not set(FAST_COMPILE) & set(os.environ.get("XLA_FLAGS", "").split())
+
+
 def under_xla_defaults(request):
     """For a test whose claim rests on how XLA compiles (two different programs, the same bits):
     True where this process compiles at XLA's defaults, and the test goes on; elsewhere the test
@@ -67,9 +72,9 @@ def under_xla_defaults(request):
     import subprocess
     import sys
 
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    if not set(FAST_COMPILE) & set(flags):
+    if xla_at_defaults():
         return True
+    flags = os.environ.get("XLA_FLAGS", "").split()
     node = request.node.nodeid.split("[")[0]
     if node not in _AT_XLA_DEFAULTS:
         env = dict(os.environ, XLA_FLAGS=" ".join([f for f in flags if f not in FAST_COMPILE]

@@ -486,23 +486,43 @@ def test_fit_refuses_a_steps_per_call_that_is_not_a_positive_integer(make_net, d
     assert net.iteration == 0
 
 
-def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_time(request, make_net, digits):
+class _SmallConv(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.relu(nn.Conv(4, (3, 3))(x.reshape(x.shape[0], 8, 8, 1)))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_time(request, make_net, digits, kind):
+    # Each fused form against the steps one at a time it replaces, dropout included: train_steps
+    # (Network.fit's checked windows) against train_step, and an averaging round's fused call (a
+    # rolled loop, unrolled for a network that convolves) against its kept_step, then bare_step.
     if not under_xla_defaults(request):  # a claim about how XLA compiles: checked at its defaults
         return
     tr, _ = digits
-    batches = [jax.tree_util.tree_map(jnp.asarray, b.jit_batch()) for b in tr[:160].batches(32)]
-    net = make_net(module=MLP(dropout=0.2))
-    one = jax.tree_util.tree_map(jnp.copy, net.state)
-    losses = []
-    for b in batches:
-        out = net.steps.train_step(one, b)
-        one = out.state
-        losses.append(out.loss)
+    # three minibatches: an averaging round's at frequency 3
+    batches = [jax.tree_util.tree_map(jnp.asarray, b.jit_batch()) for b in tr[:96].batches(32)]
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batches)
-    out = net.steps.train_steps(jax.tree_util.tree_map(jnp.copy, net.state), stacked)
-    fused, fused_losses, oks = out.state, out.loss, out.finite
-    assert bool(np.all(oks))
-    np.testing.assert_array_equal(np.asarray(fused_losses), np.asarray(losses))
-    for x, y in zip(jax.tree_util.tree_leaves(fused), jax.tree_util.tree_leaves(one)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    net = make_net(module=MLP(dropout=0.2) if kind == "mlp" else _SmallConv())
+    steps = net.steps
+    assert net._step_convolves(batches[0], net.state) == (kind == "conv")
+    fused_round = steps.bare_steps if kind == "conv" else steps.loop_steps
 
+    def one_at_a_time(first, then):
+        state, losses = jax.tree_util.tree_map(jnp.copy, net.state), []
+        for i, b in enumerate(batches):
+            out = (then if i else first)(state, b)
+            state = out.state
+            losses.append(out.loss)
+        return state, losses
+
+    for fused, first, then in ((steps.train_steps, steps.train_step, steps.train_step),
+                               (fused_round, steps.kept_step, steps.bare_step)):
+        one, losses = one_at_a_time(first, then)
+        out = fused(jax.tree_util.tree_map(jnp.copy, net.state), stacked)
+        if out.finite is not None:
+            assert bool(np.all(out.finite))
+        np.testing.assert_array_equal(np.asarray(out.loss), np.asarray(losses))
+        for x, y in zip(jax.tree_util.tree_leaves(out.state), jax.tree_util.tree_leaves(one)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -14,7 +14,7 @@ from conftest import (
     kill_at_round,
     slow_loader,
     tree_equal,
-    under_xla_defaults,
+    xla_at_defaults,
 )
 
 import dlspark
@@ -595,12 +595,14 @@ class _SmallConv(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["mlp", "conv"])
-def test_fused_rounds_train_as_one_step_at_a_time(request, client2, make_net, digits, kind):
+def test_fused_rounds_train_as_one_step_at_a_time(client2, make_net, digits, kind):
     # A round's steps as one compiled call over the stacked minibatches: the same bits,
     # dropout included, as one call per step. The call is a rolled loop, except for a
     # network that convolves (unrolled: XLA's CPU backend runs rolled convolutions slowly).
-    if not under_xla_defaults(request):  # a claim about how XLA compiles: checked at its defaults
-        return
+    # Under the run's fast compile settings the unrolled convolutions round differently in
+    # the last bits (a few 1e-8 after these 40 steps): there the conv net is compared to
+    # float rounding, and the claim of equal bits at XLA's defaults is test_network's, on
+    # the same step functions.
     tr, _ = digits
     batches = tr[:640].batches(32)
     nets, compiled = [], set()
@@ -614,8 +616,9 @@ def test_fused_rounds_train_as_one_step_at_a_time(request, client2, make_net, di
         nets.append(net)
     assert ("jit(loop_steps)" in compiled, "jit(bare_steps)" in compiled) == (kind == "mlp", kind == "conv")
     assert nets[0].iteration == nets[1].iteration == 40
-    _close(nets[0].state.params, nets[1].state.params, rtol=0, atol=0)
-    _close(nets[0].state.opt_state, nets[1].state.opt_state, rtol=0, atol=0)
+    tol = dict(rtol=0, atol=0) if kind == "mlp" or xla_at_defaults() else dict(rtol=1e-5, atol=1e-6)
+    _close(nets[0].state.params, nets[1].state.params, **tol)
+    _close(nets[0].state.opt_state, nets[1].state.opt_state, **tol)
 
 
 def test_a_second_fit_of_the_same_data_exports_nothing_and_close_removes_the_exports(client2, make_net, digits,
