@@ -59,12 +59,11 @@ def test_the_dry_run_runs_every_section_but_the_gpu_readings(report):
     (worker,) = gpu["worker_vs_plain"]
     assert worker["algorithm"] == "averaging" and worker["job_steps_per_s"] > 0 and worker["plain_steps_per_s"] > 0
     assert worker["efficiency"] > 0 and isinstance(worker["meets_target"], bool)
-    off, preallocated = gpu["memory"]["preallocate_off"], gpu["memory"]["fraction_30_preallocated"]
-    assert off["worker"]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    assert off["worker"]["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None
+    (preallocated,) = gpu["memory"].values()  # the setting's own worker, started with both variables set
+    assert preallocated["settings"] == {"preallocate": True, "memory_fraction": 0.3}
     assert preallocated["worker"]["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
     assert preallocated["worker"]["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3"
-    assert off["worker"]["platform"] == "cpu" and off["worker"]["pid"] != preallocated["worker"]["pid"]
+    assert preallocated["worker"]["platform"] == "cpu" and preallocated["worker"]["pid"] != os.getpid()
 
     wrapper = report["sections"]["gpu_parallel"]["result"]
     assert wrapper["platform"] == "cpu" and wrapper["auto_encoder"]["encoder"] == "host"

@@ -63,7 +63,9 @@ FULL = {
 DRY = {
     "gpu_cluster": {"budget_s": 300, "digits_epochs": 1, "algorithms": ["averaging"], "worker_batches": [[16, 24]],
                     "segments": 2, "measure_s": 0,
-                    "memory_settings": ["preallocate_off", "fraction_30_preallocated"], "memory_rounds": 2},
+                    # one memory setting (its own worker, each a cluster's start): the one that changes both
+                    # variables from the worker's defaults, which tests/test_cluster.py checks
+                    "memory_settings": ["fraction_30_preallocated"], "memory_rounds": 2},
     "gpu_parallel": {"budget_s": 150, "gpu_batches": [16], "wrapper_rounds": 4, "measure_s": 0},
     # gradient sharing's CNN only: gpu_cluster's worker_vs_plain already runs bench_efficiency.measure
     # with averaging's MLP, so a second pair here would run the same code again

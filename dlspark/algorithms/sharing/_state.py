@@ -276,7 +276,6 @@ class SharingState:
             return state
         flat, unravel = ravel_pytree(state.params)
         return state.replace(params=unravel(flat - jnp.asarray(self.residual, flat.dtype)))
-        self.mask_momentum = fns.mask_momentum
 
     # -- inbox (event loop thread) -----------------------------------------------
     def receive(self, sender, step, message) -> bool:
