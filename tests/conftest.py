@@ -132,6 +132,15 @@ class MLP(nn.Module):
         return nn.Dense(10)(x)
 
 
+class SmallConv(nn.Module):
+    """A digits classifier that convolves (its steps are compiled unrolled where they are fused)."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.relu(nn.Conv(4, (3, 3))(x.reshape(x.shape[0], 8, 8, 1)))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
 class HalfMLP(nn.Module):
     """The digits classifier with bfloat16 parameters (computing in float32)."""
 

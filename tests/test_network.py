@@ -4,7 +4,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, BNNet, FiniteOutputs, accuracy, tree_equal, under_xla_defaults
+from conftest import (
+    MLP,
+    BNNet,
+    FiniteOutputs,
+    SmallConv,
+    accuracy,
+    tree_equal,
+    under_xla_defaults,
+)
 
 import dlspark
 from dlspark import DataSet, Model, MultiDataSet, Network
@@ -486,13 +494,6 @@ def test_fit_refuses_a_steps_per_call_that_is_not_a_positive_integer(make_net, d
     assert net.iteration == 0
 
 
-class _SmallConv(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=False):
-        x = nn.relu(nn.Conv(4, (3, 3))(x.reshape(x.shape[0], 8, 8, 1)))
-        return nn.Dense(10)(x.reshape(x.shape[0], -1))
-
-
 @pytest.mark.parametrize("kind", ["mlp", "conv"])
 def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_time(request, make_net, digits, kind):
     # Each fused form against the steps one at a time it replaces, dropout included: train_steps
@@ -504,7 +505,7 @@ def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_tim
     # three minibatches: an averaging round's at frequency 3
     batches = [jax.tree_util.tree_map(jnp.asarray, b.jit_batch()) for b in tr[:96].batches(32)]
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *batches)
-    net = make_net(module=MLP(dropout=0.2) if kind == "mlp" else _SmallConv())
+    net = make_net(module=MLP(dropout=0.2) if kind == "mlp" else SmallConv())
     steps = net.steps
     assert net._step_convolves(batches[0], net.state) == (kind == "conv")
     fused_round = steps.bare_steps if kind == "conv" else steps.loop_steps

@@ -2,7 +2,6 @@
 
 import os
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -10,6 +9,7 @@ import pytest
 from conftest import (
     MLP,
     FiniteOutputs,
+    SmallConv,
     accuracy,
     kill_at_round,
     slow_loader,
@@ -587,13 +587,6 @@ def test_a_hung_worker_without_a_nanny_is_dropped_when_its_heartbeats_stop(make_
         assert min(s["workers"] for s in trainer.last_fit_stats) == 1
 
 
-class _SmallConv(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=False):
-        x = nn.relu(nn.Conv(4, (3, 3))(x.reshape(x.shape[0], 8, 8, 1)))
-        return nn.Dense(10)(x.reshape(x.shape[0], -1))
-
-
 @pytest.mark.parametrize("kind", ["mlp", "conv"])
 def test_fused_rounds_train_as_one_step_at_a_time(client2, make_net, digits, kind):
     # A round's steps as one compiled call over the stacked minibatches: the same bits,
@@ -607,7 +600,7 @@ def test_fused_rounds_train_as_one_step_at_a_time(client2, make_net, digits, kin
     batches = tr[:640].batches(32)
     nets, compiled = [], set()
     for fused in (True, False):
-        net = make_net(MLP(dropout=0.2) if kind == "mlp" else _SmallConv(), updater=optax.adam(1e-2))
+        net = make_net(MLP(dropout=0.2) if kind == "mlp" else SmallConv(), updater=optax.adam(1e-2))
         master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=3, fused_steps=fused,
                                     collect_training_stats=True)
         trainer = DistributedTrainer(client2, net, master, progress=False)
@@ -616,7 +609,7 @@ def test_fused_rounds_train_as_one_step_at_a_time(client2, make_net, digits, kin
         nets.append(net)
     assert ("jit(loop_steps)" in compiled, "jit(bare_steps)" in compiled) == (kind == "mlp", kind == "conv")
     assert nets[0].iteration == nets[1].iteration == 40
-    tol = dict(rtol=0, atol=0) if kind == "mlp" or xla_at_defaults() else dict(rtol=1e-5, atol=1e-6)
+    tol = {"rtol": 0, "atol": 0} if kind == "mlp" or xla_at_defaults() else {"rtol": 1e-5, "atol": 1e-6}
     _close(nets[0].state.params, nets[1].state.params, **tol)
     _close(nets[0].state.opt_state, nets[1].state.opt_state, **tol)
 
