@@ -525,5 +525,4 @@ def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_tim
         if out.finite is not None:
             assert bool(np.all(out.finite))
         np.testing.assert_array_equal(np.asarray(out.loss), np.asarray(losses))
-        for x, y in zip(jax.tree_util.tree_leaves(out.state), jax.tree_util.tree_leaves(one)):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert tree_equal(out.state, one), fused
