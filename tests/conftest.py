@@ -261,8 +261,8 @@ def sc():
             # each executor process compiles every network it meets; share the compiled code on disk
             .set("spark.executorEnv.JAX_COMPILATION_CACHE_DIR", os.environ["JAX_COMPILATION_CACHE_DIR"])
             .set("spark.executorEnv.JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-            # workers forked from a daemon that has imported JAX and dlspark (tests/spark_preload_daemon.py)
-            .set("spark.python.daemon.module", "spark_preload_daemon")
+            # workers forked from a daemon that has imported JAX and dlspark (dlspark.spark.daemon)
+            .set("spark.python.daemon.module", "dlspark.spark.daemon")
             .set("spark.ui.showConsoleProgress", "false"))
     context = SparkContext.getOrCreate(conf)
     context.setLogLevel("ERROR")

@@ -90,6 +90,30 @@ def test_importing_compat_imports_no_pyspark(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
+def _worker_view(_):
+    import gc
+    import sys
+
+    return sorted(m for m in ("jax", "flax", "optax", "dlspark", "dlspark.compat") if m in sys.modules), \
+        gc.get_freeze_count()
+
+
+@pytest.mark.slow
+def test_spark_workers_fork_from_dlsparks_daemon_with_jax_imported_and_frozen(sc):
+    # conftest's SparkContext names dlspark.spark.daemon as spark.python.daemon.module. The task
+    # (pickled by reference: this module imports JAX, so the imports are checked through the
+    # freeze) sees what the daemon froze: every object of those imports, 150,000 and more here,
+    # where Spark's own daemon freezes nothing
+    seen = sc.parallelize(range(4), 4).map(_worker_view).collect()
+    for modules, frozen in seen:
+        assert modules == ["dlspark", "dlspark.compat", "flax", "jax", "optax"]
+        assert frozen > 100_000, frozen
+    # importing the module starts nothing: the daemon's work is in main(), run by Spark
+    code = "import gc, sys, dlspark.spark.daemon; print(gc.get_freeze_count(), 'pyspark.daemon' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "False"]
+
+
 def test_builders_take_dl4j_names_and_defaults(digits):
     assert len(digits[0]) == N_TRAIN
     pa = ParameterAveragingTrainingMaster.Builder(8).build()
