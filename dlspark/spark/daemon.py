@@ -28,8 +28,7 @@ import flax  # noqa: F401
 import jax  # noqa: F401
 import optax  # noqa: F401
 
-import dlspark  # noqa: F401
-import dlspark.compat
+import dlspark.compat  # noqa: F401 (dlspark with it)
 
 
 def main() -> None:
