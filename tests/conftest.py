@@ -256,13 +256,18 @@ def sc():
     conf = (SparkConf().setMaster("local[2]").setAppName("dlspark-compat-tests")
             .set("spark.driver.maxResultSize", "1m")
             .set("spark.ui.enabled", "false")
+            # the driver's JVM (Spark's executors too, in local mode) lives a few minutes: its quick
+            # compiler alone and one collector thread. Measured on tests/test_compat.py: the JVM's
+            # CPU time 47 s with Java's defaults, 21 s so
+            .set("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
             # the executors unpickle the tests' model classes (conftest.MLP) and helpers
             .set("spark.executorEnv.PYTHONPATH", str(Path(__file__).parent))
             # each executor process compiles every network it meets; share the compiled code on disk
             .set("spark.executorEnv.JAX_COMPILATION_CACHE_DIR", os.environ["JAX_COMPILATION_CACHE_DIR"])
             .set("spark.executorEnv.JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-            # workers forked from a daemon that has imported JAX and dlspark (dlspark.spark.daemon)
-            .set("spark.python.daemon.module", "dlspark.spark.daemon")
+            # workers forked from a daemon that has imported JAX, dlspark and the tests' model
+            # libraries (tests/spark_daemon.py, dlspark.spark.daemon's with Keras and Equinox)
+            .set("spark.python.daemon.module", "spark_daemon")
             .set("spark.ui.showConsoleProgress", "false"))
     context = SparkContext.getOrCreate(conf)
     context.setLogLevel("ERROR")

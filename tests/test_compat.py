@@ -100,7 +100,8 @@ def _worker_view(_):
 
 @pytest.mark.slow
 def test_spark_workers_fork_from_dlsparks_daemon_with_jax_imported_and_frozen(sc):
-    # conftest's SparkContext names dlspark.spark.daemon as spark.python.daemon.module. The task
+    # conftest's SparkContext names tests/spark_daemon.py (dlspark.spark.daemon's main, with Keras
+    # and Equinox imported first) as spark.python.daemon.module. The task
     # (pickled by reference: this module imports JAX, so the imports are checked through the
     # freeze) sees what the daemon froze: every object of those imports, 150,000 and more here,
     # where Spark's own daemon freezes nothing

@@ -1,0 +1,15 @@
+"""The test run's daemon for Spark's Python workers: dlspark's own (``dlspark.spark.daemon``,
+which conftest's ``sc`` names), with Keras and Equinox imported too, since the executors
+unpickle tests/test_models.py's networks and so import that module."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # as tests/test_models.py sets it, before Keras starts
+
+import equinox  # noqa: F401, E402
+import keras  # noqa: F401, E402
+
+from dlspark.spark.daemon import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()
