@@ -6,10 +6,10 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")  # as tests/test_models.py sets it, before Keras starts
 
-import equinox  # noqa: F401, E402
-import keras  # noqa: F401, E402
+import equinox  # noqa: F401
+import keras  # noqa: F401
 
-from dlspark.spark.daemon import main  # noqa: E402
+from dlspark.spark.daemon import main
 
 if __name__ == "__main__":
     main()
