@@ -1,6 +1,6 @@
-"""The test run's daemon for Spark's Python workers: dlspark's own (``dlspark.spark.daemon``,
-which conftest's ``sc`` names), with Keras and Equinox imported too, since the executors
-unpickle tests/test_models.py's networks and so import that module."""
+"""The test run's daemon for Spark's Python workers (conftest's ``sc`` names this module):
+dlspark's own (``dlspark.spark.daemon``) with Keras and Equinox imported too, since the
+executors unpickle tests/test_models.py's networks and so import that module."""
 
 import os
 

@@ -109,10 +109,12 @@ def test_spark_workers_fork_from_dlsparks_daemon_with_jax_imported_and_frozen(sc
     for modules, frozen in seen:
         assert modules == ["dlspark", "dlspark.compat", "flax", "jax", "optax"]
         assert frozen > 100_000, frozen
-    # importing the module starts nothing: the daemon's work is in main(), run by Spark
-    code = "import gc, sys, dlspark.spark.daemon; print(gc.get_freeze_count(), 'pyspark.daemon' in sys.modules)"
+    # importing the module starts nothing: the daemon's work is in main(), run by Spark; and no
+    # JAX backend (JAX's private registry of started backends), whose threads a fork would lose
+    code = ("import gc, sys, dlspark.spark.daemon; from jax._src import xla_bridge; "
+            "print(gc.get_freeze_count(), 'pyspark.daemon' in sys.modules, len(xla_bridge._backends))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["0", "False"]
+    assert out.stdout.split() == ["0", "False", "0"]
 
 
 def test_builders_take_dl4j_names_and_defaults(digits):
