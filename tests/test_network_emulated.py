@@ -38,7 +38,7 @@ CONFIG = {
     "dlspark.sharing.stale-timeout": "2s",
 }
 CUT_SHORT = 3.0  # below worker-ttl and the tcp timeout: the connections live through it
-CUT_LONG = 20.0  # well past worker-ttl: Dask drops the worker
+CUT_LONG = 14.0  # well past worker-ttl: Dask drops the worker
 
 
 def _unavailable(reason):

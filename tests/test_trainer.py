@@ -685,13 +685,19 @@ def test_a_failed_atomic_write_names_the_file_it_was_writing(tmp_path):
             write_bytes("/proc/x.bin", b"1")
 
 
-def test_a_fit_waits_briefly_for_a_worker_that_is_starting_and_names_an_empty_cluster():
+def test_a_fit_waits_briefly_for_a_worker_that_is_starting_and_names_an_empty_cluster(monkeypatch):
     # Threads, not processes: only the scheduler's view of its workers is under test here.
     import threading
     import time
     import types
 
     from distributed import Client, LocalCluster
+
+    import dlspark.trainer
+
+    # the wait is 10 s; 4 s still outlasts the worker that arrives after 1 s, and the empty cluster's
+    # error comes 6 s sooner
+    monkeypatch.setattr(dlspark.trainer, "NO_WORKERS_WAIT_S", 4)
 
     with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, \
             Client(cluster, set_as_default=False) as client:
@@ -702,5 +708,5 @@ def test_a_fit_waits_briefly_for_a_worker_that_is_starting_and_names_an_empty_cl
         deadline = time.monotonic() + 30
         while client.scheduler_info()["workers"] and time.monotonic() < deadline:
             time.sleep(0.1)
-        with pytest.raises(RuntimeError, match=r"the cluster has no workers \(waited"):
+        with pytest.raises(RuntimeError, match=r"the cluster has no workers \(waited 4 s"):
             DistributedTrainer._workers(holder)
