@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from . import _worker_start
 from ._versions import CHECKED_PACKAGES, check_versions, cluster_versions, version_table
 
 __all__ = ["local_cluster", "slurm_cluster", "jobqueue_options", "default_worker_count", "gpu_devices",
@@ -201,8 +202,8 @@ def _client_cpu(client_cpu):
 
 
 _GUARD_HELP = (
-    "dlspark starts its worker processes with 'spawn', which runs your script again in every "
-    "worker; the code that starts a cluster (local_cluster, DistributedTrainer(None, ...)) must "
+    "dlspark starts its worker processes with 'spawn' or 'forkserver', which run your script again in "
+    "every worker; the code that starts a cluster (local_cluster, DistributedTrainer(None, ...)) must "
     "sit under the main-module guard, e.g.\n\n"
     "    if __name__ == \"__main__\":\n"
     "        trainer = dlspark.DistributedTrainer(None, net, master)\n"
@@ -347,13 +348,16 @@ def _dashboard_sockets(dask_scheduler=None):
 
 def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=None, preallocate: bool | None = None,
                   memory_fraction: float | None = None, platform: str | None = None,
-                  client_cpu: bool | None = None, **kwargs):
+                  client_cpu: bool | None = None, start_method: str | None = None, **kwargs):
     """Start a ``LocalCluster`` of single-threaded worker processes for dlspark.
 
-    Worker processes are spawned (not forked: JAX is not fork-safe), each with
-    one compute thread; on a GPU machine each worker is given one GPU (its
-    ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES`` on ROCm), with JAX's
-    memory preallocation off.
+    Each worker process has one compute thread; on a GPU machine each worker
+    is given one GPU (its ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES`` on
+    ROCm), with JAX's memory preallocation off. No worker is forked from a
+    process that has started JAX: CPU workers on Linux are forked from a fork
+    server that has only imported JAX and dlspark (:mod:`dlspark._forkserver`),
+    which spares each worker that import; GPU workers, and any elsewhere, are
+    spawned.
 
     Parameters
     ----------
@@ -370,6 +374,14 @@ def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=No
     client_cpu : bool, optional
         Keep this (the client's) process on CPU, see :func:`keep_client_on_cpu`
         (``dlspark.client.cpu-only``).
+    start_method : {"auto", "forkserver", "spawn"}, optional
+        How worker processes start (``dlspark.worker.start-method``, default
+        ``"auto"``: ``"forkserver"`` for CPU workers on Linux, else ``"spawn"``).
+        Forked workers are given this process's environment as it is at this
+        call (a variable removed from it since the fork server started stays
+        in them); workers a nanny restarts after this call returns are
+        spawned, as Dask's own setting
+        (``distributed.worker.multiprocessing-method``) says.
     **kwargs
         Passed to :class:`distributed.LocalCluster`. The scheduler, nannies and
         workers listen on 127.0.0.1 unless ``host`` says otherwise. No
@@ -400,10 +412,21 @@ def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=No
     env = worker_env(preallocate=preallocate, memory_fraction=memory_fraction, platform=platform)
     env.update(kwargs.pop("env", {}) or {})
     kwargs["memory_limit"] = _memory_limit(memory_limit)
+    method = _worker_start.start_method(start_method, bool(devices))
     _client_cpu(client_cpu)
     kwargs["dashboard_address"] = dashboard_address(kwargs.get("dashboard_address"), kwargs.get("host"))
     kwargs.setdefault("silence_logs", 40)
-    with dask.config.set(WORKER_CONFIG):
+    config = dict(WORKER_CONFIG)
+    if method == "forkserver":
+        config["distributed.worker.multiprocessing-method"] = "forkserver"
+        config["distributed.worker.preload"] = [*(dask.config.get("distributed.worker.preload", None) or []),
+                                                _worker_start.WORKER_PRELOAD]
+        # a forked worker starts with the server's environment, not this process's: given it
+        # whole, as a spawned worker inherits it (the worker's own variables win)
+        env = {**os.environ, **env}
+    with dask.config.set(config):
+        if method == "forkserver":
+            _worker_start.preload_fork_server()
         if not devices:
             return LocalCluster(n_workers=n, threads_per_worker=1, processes=True, env=env, **kwargs)
         cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=True, env=env, **kwargs)

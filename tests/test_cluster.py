@@ -24,8 +24,71 @@ def test_each_worker_sees_only_its_own_device():
     # (on CPU); on a GPU machine the same variable gives each worker one GPU.
     with dcluster.local_cluster(devices=["5", "7"]) as c, Client(c) as client:
         views = client.run(_worker_view)
+        starts = client.run(_worker_start)
     assert sorted(v[0] for v in views.values()) == ["5", "7"]
     assert all(v[1] == "false" and v[2] == 6.0 for v in views.values())
+    # GPU workers are spawned by their nannies, here in this process, and freeze nothing
+    assert all(s["parent"] == os.getpid() and s["frozen"] == 0 for s in starts.values()), starts
+
+
+def _worker_start():
+    """Runs in a worker: the process that started it, what it had frozen, JAX's settings there."""
+    import gc
+    import os
+
+    import jax
+    import numpy as np
+
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent_cmd = f.read().replace(b"\0", b" ").decode()
+    server_threads = len(os.listdir(f"/proc/{os.getppid()}/task"))
+    return {"parent": os.getppid(), "parent_cmd": parent_cmd, "parent_threads": server_threads,
+            "frozen": gc.get_freeze_count(), "platforms": jax.config.jax_platforms,
+            "x64": jax.config.jax_enable_x64, "dtype": str(jax.numpy.arange(4.0).dtype),
+            "draw": float(np.random.random()), "probe": os.environ.get("DLSPARK_TEST_PROBE")}
+
+
+def test_cpu_workers_fork_from_a_server_with_jax_imported_and_keep_their_own_jax_settings(monkeypatch):
+    # JAX reads JAX_* at import, which for these workers happened in the fork server; the
+    # worker's own values (the platform argument, env=) still reach JAX there
+    with dcluster.local_cluster(2, platform="cpu", env={"JAX_ENABLE_X64": "1"}) as c, Client(c) as client:
+        first = list(client.run(_worker_start).values())
+    # set here after the server started: a forked worker gets this process's environment, as a spawned one
+    monkeypatch.setenv("DLSPARK_TEST_PROBE", "set later")
+    with dcluster.local_cluster(1) as c, Client(c) as client:
+        (second,) = client.run(_worker_start).values()
+    assert [s["probe"] for s in first] == [None, None] and second["probe"] == "set later"
+    for s in first + [second]:
+        assert s["parent"] != os.getpid() and "multiprocessing.forkserver" in s["parent_cmd"], s
+        assert s["frozen"] > 100_000, s  # JAX, flax, optax, distributed and dlspark, imported before the fork
+        # the server runs no JAX backend (whose threads a fork would lose): one thread, between forks
+        assert s["parent_threads"] == 1, s
+    assert {s["parent"] for s in first} == {second["parent"]}  # one server per client process
+    assert [(s["platforms"], s["x64"], s["dtype"]) for s in first] == [("cpu", True, "float64")] * 2
+    # nothing of the first cluster's settings in the next one's workers
+    assert (second["platforms"], second["x64"], second["dtype"]) == (os.environ.get("JAX_PLATFORMS"), False, "float32")
+    # each forked worker draws its own numpy stream, as a spawned one does
+    assert len({s["draw"] for s in first + [second]}) == 3
+
+
+def test_start_method_spawn_is_kept_and_bad_values_are_refused():
+    import dask
+
+    with dask.config.set({"dlspark.worker.start-method": "spawn"}):
+        with dcluster.local_cluster(1) as c, Client(c) as client:
+            (s,) = client.run(_worker_start).values()
+    assert s["parent"] == os.getpid() and s["frozen"] == 0
+    with pytest.raises(ValueError, match="start_method must be one of 'auto', 'forkserver', 'spawn', got 'fork'"):
+        dcluster.local_cluster(1, start_method="fork")
+
+
+def test_a_jax_variable_that_jax_cannot_read_is_named():
+    from dlspark._forkserver import _parse
+
+    assert _parse("JAX_ENABLE_X64", "On", False) is True and _parse("JAX_NUM_CPU_DEVICES", "3", -1) == 3
+    assert _parse("JAX_PLATFORMS", "cpu", None) == "cpu"
+    with pytest.raises(ValueError, match="JAX_ENABLE_X64='maybe' in a worker's environment is not a truth value"):
+        _parse("JAX_ENABLE_X64", "maybe", False)
 
 
 def test_the_embedded_cluster_keeps_dask_housekeeping_off_the_workers_cores():

@@ -306,6 +306,7 @@ def test_a_job_ends_without_a_full_collection(client2, make_net, digits):
     from conftest import MLP
 
     tr, _ = digits
+    client2.wait_for_workers(2, timeout=60)  # the worker killed by the test before is back: it counts too
     before = client2.run(_collections)
     net = make_net(module=MLP(hidden=2048), updater=optax.adam(1e-3))
     trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2),
