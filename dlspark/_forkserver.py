@@ -1,7 +1,7 @@
 """The embedded cluster's CPU workers, forked from a server that has imported JAX and dlspark.
 
 A spawned worker process imports distributed, JAX, optax, flax and dlspark before its first
-task: about two CPU-seconds in every worker.
+task, every worker anew.
 :func:`~dlspark.cluster.local_cluster` starts CPU workers with multiprocessing's
 ``forkserver`` method instead, with this module as the server's preload: the server, a fresh
 interpreter started once per client process, imports them once, and each worker is forked
