@@ -5,10 +5,10 @@ CPU workers on Linux are forked from multiprocessing's fork server, whose preloa
 spawned. A worker forked from that server imported JAX there, before its nanny set the
 worker's environment: :func:`dask_setup`, this module's Dask worker preload, applies the
 worker's own ``JAX_*`` variables to JAX's configuration before any task runs. A worker its
-nanny spawns (a restart) imports nothing here, and its JAX reads its variables itself.
+nanny spawns (a restart) has nothing to apply: its JAX reads its own variables.
 
-This module imports neither JAX nor dlspark's other modules: it is imported by every such
-worker as it starts, spawned ones included.
+Importing this module imports the ``dlspark`` package, and so JAX: a spawned worker does at
+its start what it would otherwise do when dlspark's worker plugin reaches it.
 """
 
 import sys
