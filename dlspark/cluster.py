@@ -355,7 +355,7 @@ def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=No
     is given one GPU (its ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES`` on
     ROCm), with JAX's memory preallocation off. No worker is forked from a
     process that has started JAX: CPU workers on Linux are forked from a fork
-    server that has only imported JAX and dlspark (:mod:`dlspark._forkserver`),
+    server that has only imported JAX and dlspark (``dlspark._forkserver``),
     which spares each worker that import; GPU workers, and any elsewhere, are
     spawned.
 
