@@ -316,7 +316,6 @@ def slow_loader(delay, pid=None):
     return load
 
 
-
 def _reset_a_stray_dask_default(nodeid, when):
     """Dask's Client, made default, sets ``scheduler: dask.distributed`` and on close restores
     what it found, but only where no other default client is alive: two such clients closed in
