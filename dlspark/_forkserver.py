@@ -60,8 +60,9 @@ def jax_env_changes() -> dict:
     values = jax.config.values
     changed = {}
     for key, raw in sorted(os.environ.items()):
-        if key.startswith("JAX_") and IMPORT_ENV.get(key) != raw and key.lower() in values:
-            changed[key.lower()] = _parse(key, raw, values[key.lower()])
+        name = key.lower()
+        if key.startswith("JAX_") and IMPORT_ENV.get(key) != raw and name in values:
+            changed[name] = _parse(key, raw, values[name])
     return changed
 
 

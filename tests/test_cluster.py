@@ -24,14 +24,14 @@ def test_each_worker_sees_only_its_own_device():
     # (on CPU); on a GPU machine the same variable gives each worker one GPU.
     with dcluster.local_cluster(devices=["5", "7"]) as c, Client(c) as client:
         views = client.run(_worker_view)
-        starts = client.run(_worker_start)
+        starts = client.run(_worker_origin)
     assert sorted(v[0] for v in views.values()) == ["5", "7"]
     assert all(v[1] == "false" and v[2] == 6.0 for v in views.values())
     # GPU workers are spawned by their nannies, here in this process, and freeze nothing
     assert all(s["parent"] == os.getpid() and s["frozen"] == 0 for s in starts.values()), starts
 
 
-def _worker_start():
+def _worker_origin():
     """Runs in a worker: the process that started it, what it had frozen, JAX's settings there."""
     import gc
     import os
@@ -52,11 +52,11 @@ def test_cpu_workers_fork_from_a_server_with_jax_imported_and_keep_their_own_jax
     # JAX reads JAX_* at import, which for these workers happened in the fork server; the
     # worker's own values (the platform argument, env=) still reach JAX there
     with dcluster.local_cluster(2, platform="cpu", env={"JAX_ENABLE_X64": "1"}) as c, Client(c) as client:
-        first = list(client.run(_worker_start).values())
+        first = list(client.run(_worker_origin).values())
     # set here after the server started: a forked worker gets this process's environment, as a spawned one
     monkeypatch.setenv("DLSPARK_TEST_PROBE", "set later")
     with dcluster.local_cluster(1) as c, Client(c) as client:
-        (second,) = client.run(_worker_start).values()
+        (second,) = client.run(_worker_origin).values()
     assert [s["probe"] for s in first] == [None, None] and second["probe"] == "set later"
     for s in first + [second]:
         assert s["parent"] != os.getpid() and "multiprocessing.forkserver" in s["parent_cmd"], s
@@ -76,7 +76,7 @@ def test_start_method_spawn_is_kept_and_bad_values_are_refused():
 
     with dask.config.set({"dlspark.worker.start-method": "spawn"}):
         with dcluster.local_cluster(1) as c, Client(c) as client:
-            (s,) = client.run(_worker_start).values()
+            (s,) = client.run(_worker_origin).values()
     assert s["parent"] == os.getpid() and s["frozen"] == 0
     with pytest.raises(ValueError, match="start_method must be one of 'auto', 'forkserver', 'spawn', got 'fork'"):
         dcluster.local_cluster(1, start_method="fork")
