@@ -13,15 +13,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # clusters whose workers compile the same small networks again and again. Measured on
 # tests/test_sharing.py and tests/test_worker_rounds.py on 2 cores: 121 s without, 73 s with
 # (the cache starting empty, as in CI). Made only by the process that starts the run (spawned
-# workers import this module too, and inherit the variables). A size limit turns on JAX's
-# file lock around every read and write of an entry (needs filelock): without it, a process
-# can read an entry another is still writing.
+# workers import this module too, and inherit the variables). No size limit: under one, JAX
+# lists and reads every entry of the directory at each write (to evict the oldest) and holds a
+# file lock meanwhile, which grew with the run's thousands of entries to about a fifth of its
+# CPU time. Without the lock a process may read an entry another is still writing: JAX cannot
+# decompress it, warns (not an error here, see pyproject.toml) and compiles again.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="dlspark-tests-jax-cache-")
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
 
 # XLA compiles the run's programs at its fastest, in this process and every process it starts
 # (the variable is inherited; XLA reads it when JAX starts its backend): its lowest optimisation
