@@ -15,7 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # (the cache starting empty, as in CI). Made only by the process that starts the run (spawned
 # workers import this module too, and inherit the variables). No size limit: under one, JAX
 # lists and reads every entry of the directory at each write (to evict the oldest) and holds a
-# file lock meanwhile, which grew with the run's thousands of entries to about a fifth of its
+# file lock meanwhile, which grew with the run's thousands of entries to about a sixth of its
 # CPU time. Without the lock a process may read an entry another is still writing: JAX cannot
 # decompress it, warns (not an error here, see pyproject.toml) and compiles again.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
