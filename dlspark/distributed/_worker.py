@@ -19,6 +19,7 @@ import cloudpickle
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.protocol import to_serialize
 
+from .._malloc import apply_worker_settings
 from ._kept import KeptStates, carried_arrays, put_arrays
 from ._messages import ErrorReply, Unavailable
 from ._peers import call_peer
@@ -111,6 +112,7 @@ class DlsparkWorkerPlugin(WorkerPlugin):
         self.jobs: dict = {}
         self.ended: collections.deque = collections.deque(maxlen=256)  # jobs torn down, newest last
         self.kept = KeptStates()  # trained states of the last fits, so that the next sends what changed
+        apply_worker_settings()  # glibc keeps the steps' freed pages for the next step (dlspark._malloc)
         if self.pin_cores and hasattr(os, "sched_setaffinity"):
             cores = sorted(os.sched_getaffinity(0))
             per = self.cores_per_worker or max(1, len(cores) // self.n_workers)
