@@ -31,7 +31,8 @@ WORKER_ENV = {
 #: Dask also sets ``MALLOC_TRIM_THRESHOLD_=65536`` before spawning workers, which
 #: fixes glibc's mmap threshold at 128 KiB: every step's large buffers are then
 #: mmap'ed and unmapped anew, measured here to make a jitted CPU step ~3x slower.
-#: Our workers keep glibc's adaptive defaults instead.
+#: Our workers are started without it; dlspark's worker plugin then sets glibc's
+#: thresholds itself (``dlspark._malloc``), also on clusters dlspark did not start.
 WORKER_CONFIG = {
     "distributed.worker.multiprocessing-method": "spawn",
     "distributed.worker.profile.enabled": False,
