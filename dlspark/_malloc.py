@@ -3,8 +3,8 @@
 Each jitted step frees and allocates buffers of a parameter vector's size (4 MB for a
 network of a million float32 parameters): its outputs, the gradient-sharing loop's vectors.
 Under glibc's defaults a thread's arena hands the free top of its heap back to the system
-once it passes the trim threshold (128 KiB, raised only as far as twice the largest buffer
-freed so far), and the next step takes those pages again one page fault at a time. Dask's
+once it passes the trim threshold (128 KiB at first; twice a mapped buffer's size once one
+is freed), and the next step takes those pages again one page fault at a time. Dask's
 nannies go further by default: their ``MALLOC_TRIM_THRESHOLD_=65536`` also fixes the mmap
 threshold at 128 KiB, so that every such buffer is mapped and unmapped anew. A worker
 that keeps up to a trim threshold of free heap, and maps only buffers larger than the mmap
@@ -27,9 +27,11 @@ _MMAP_MAX = 32 * 2**20
 
 
 def _glibc():
+    """The C library through ctypes where it is glibc, else None (musl, macOS, Windows)."""
     try:
-        os.confstr("CS_GNU_LIBC_VERSION")
-    except (AttributeError, ValueError, OSError):  # not glibc (musl, macOS, Windows)
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+    except (AttributeError, ValueError, OSError):
         return None
     import ctypes
 
