@@ -380,9 +380,10 @@ def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=No
         ``"auto"``: ``"forkserver"`` for CPU workers on Linux, else ``"spawn"``).
         Forked workers are given this process's environment as it is at this
         call (a variable removed from it since the fork server started stays
-        in them); workers a nanny restarts after this call returns are
-        spawned, as Dask's own setting
-        (``distributed.worker.multiprocessing-method``) says.
+        in them). A worker its nanny restarts (after a crash or a kill) is
+        forked too, as at its first start; Dask's own setting
+        (``distributed.worker.multiprocessing-method``) reads ``forkserver``
+        only while a nanny starts a worker.
     **kwargs
         Passed to :class:`distributed.LocalCluster`. The scheduler, nannies and
         workers listen on 127.0.0.1 unless ``host`` says otherwise. No
@@ -420,6 +421,7 @@ def local_cluster(n_workers: int | None = None, *, devices=None, memory_limit=No
     config = dict(WORKER_CONFIG)
     if method == "forkserver":
         config["distributed.worker.multiprocessing-method"] = "forkserver"
+        kwargs.setdefault("worker_class", _worker_start.ForkingNanny)  # restarted workers are forked too
         config["distributed.worker.preload"] = [*(dask.config.get("distributed.worker.preload", None) or []),
                                                 _worker_start.WORKER_PRELOAD]
         # a forked worker starts with the server's environment, not this process's: given it
