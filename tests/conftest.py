@@ -174,6 +174,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (item.path.name not in FIRST, -count[item.path], str(item.path)))
 
 
+# Test files that share a costly session fixture go to the same xdist process, as one unit of
+# --dist loadfile: the compat modules share ``sc`` (Spark's JVM and its Python daemon, which
+# imports JAX, Keras and dlspark), started once rather than on both processes.
+SAME_PROCESS = {"tests/test_compat_programs.py": "tests/test_compat.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesSharingFixtures(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            path = super()._split_scope(nodeid)
+            return SAME_PROCESS.get(path, path)
+
+    return FilesSharingFixtures(config, log)
+
+
 @pytest.fixture(scope="session")
 def digits():
     return dlspark.datasets.digits()
