@@ -163,15 +163,18 @@ class BNNet(nn.Module):
 
 # Each test file runs whole on one of the two xdist processes (--dist loadfile), handed out in
 # the order of this hook's items (--no-loadscope-reorder): the files with the most tests first,
-# as xdist's own order has it, but the device script's dry run (few tests, one of them about
-# 100 s) before them: by test count xdist handed it out among the last files, and the run's
-# end waited on it.
-FIRST = ("test_device_dryrun.py",)
+# as xdist's own order has it, but files of few and long tests before them: by test count xdist
+# handed them out among the last files, and the run's end waited on them (the device script's
+# dry run, about 140 s; the emulated network's faults, about 110 s; SLURM's jobs and the train
+# command on them, about 100 s together, which had ended a run about 30 s after the other
+# process was done).
+FIRST = ("test_device_dryrun.py", "test_network_emulated.py", "test_slurm.py", "test_train_command.py")
 
 
 def pytest_collection_modifyitems(config, items):
     count = collections.Counter(item.path for item in items)
-    items.sort(key=lambda item: (item.path.name not in FIRST, -count[item.path], str(item.path)))
+    first = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: (first.get(item.path.name, len(FIRST)), -count[item.path], str(item.path)))
 
 
 # Test files that share a costly session fixture go to the same xdist process, as one unit of
