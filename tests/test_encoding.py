@@ -277,3 +277,86 @@ def test_compiled_and_numpy_scans_give_the_same_message_and_residual(r, t, block
         _encoding._BLOCK = old
     np.testing.assert_array_equal(compiled.message, plain.message)
     np.testing.assert_array_equal(compiled.residual, plain.residual)
+
+
+pieces_st = st.lists(arrays(np.float32, st.integers(1, 200), elements=st.floats(-10, 10, width=32)), min_size=1,
+                     max_size=4)
+
+
+class _NoKnownThreshold:
+    """A threshold algorithm without the optional ``known_threshold``: the separate passes."""
+
+    def __init__(self, t):
+        self.fixed = FixedThreshold(t)
+
+    def prepare(self, state, residual):
+        return self.fixed.prepare(state, residual)
+
+    def update(self, state, sparsity):
+        return self.fixed.update(state, sparsity)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces_st, thresholds, st.sampled_from([64, 100, 1 << 19]), st.booleans())
+def test_adding_and_finding_in_one_pass_has_the_bits_of_the_separate_passes(pieces, t, block, clip):
+    # the worker's step: its update added to its residual (and copied, under the whole own
+    # update), then encoded; the one compiled pass against add_pieces, a zeroed copy and the scan
+    from dlspark.algorithms.sharing._state import add_and_encode
+
+    if _encoding.compiled_add_scan() is None:
+        pytest.skip("numba is not installed: only the separate passes exist")
+    n = sum(p.size for p in pieces)
+    pieces[0][::31] = [np.nan, -0.0, np.inf, 0.0, -np.inf, 1e-30, -10.0][: pieces[0][::31].size]
+    residual = np.random.default_rng(n).normal(0, 2, n).astype(np.float32)
+    post = ResidualClipping(2.0, 1) if clip else NoResidualPostProcessing()
+    out = {}
+    old = _encoding._BLOCK
+    try:
+        _encoding._BLOCK = block  # the scratch, and so each call's share of a piece, is this long
+        for name, algo in (("fused", FixedThreshold(t)), ("separate", _NoKnownThreshold(t))):
+            r, copy = residual.copy(), np.full(n, 7.0, np.float32)
+            enc, r = add_and_encode(algo, post, algo.fixed.init() if name == "separate" else algo.init(), r,
+                                    [p.copy() for p in pieces], encode_scratch(n), 1, keep_dropped=True, copy=copy)
+            out[name] = (r, copy, enc.message, enc.dropped)
+    finally:
+        _encoding._BLOCK = old
+    for fused, separate in zip(out["fused"], out["separate"]):
+        if fused is None or separate is None:
+            assert fused is separate
+            continue
+        np.testing.assert_array_equal(fused, separate)
+        np.testing.assert_array_equal(np.signbit(fused), np.signbit(separate))  # +0.0 and -0.0 apart too
+
+
+@pytest.mark.parametrize("at", [[0], [63], [64, 127], [130], [199]])
+def test_one_pass_finds_a_lone_hit_at_a_groups_edge_and_in_the_tail(at):
+    # the pass looks into a group of 64 only where some element of it crossed
+    if _encoding.compiled_add_scan() is None:
+        pytest.skip("numba is not installed: only the separate passes exist")
+    residual, update = np.zeros(200, np.float32), np.zeros(200, np.float32)
+    update[at] = 2.0
+    hits = _encoding.add_and_find(residual, [update[:150], update[150:]], 1.0, encode_scratch(200))
+    np.testing.assert_array_equal(hits, at)
+    np.testing.assert_array_equal(residual, update)
+
+
+def test_the_step_adds_and_finds_in_one_pass_once_the_threshold_is_known(monkeypatch):
+    from dlspark.algorithms.sharing import _state
+
+    if _encoding.compiled_add_scan() is None:
+        pytest.skip("numba is not installed: only the separate passes exist")
+    calls = []
+    monkeypatch.setattr(_state, "add_and_find", lambda *a: calls.append(a) or _encoding.add_and_find(*a))
+    algo, n = AdaptiveThreshold(warmup=2), 1000
+    rng = np.random.default_rng(3)
+    state, residual, scratch = algo.init(), np.zeros(n, np.float32), encode_scratch(n)
+    assert algo.known_threshold(state) is None  # the warm-up reads the residual
+    for step in range(1, 5):
+        enc, residual = _state.add_and_encode(algo, NoResidualPostProcessing(), state, residual,
+                                              [rng.normal(0, 1, n).astype(np.float32)], scratch, step)
+        state = enc.tstate
+        assert len(calls) == max(0, step - 2), step  # after the warm-up's two steps: the one pass
+    assert algo.known_threshold(state) == state.threshold
+    _state.add_and_encode(algo, NoResidualPostProcessing(), state, residual, [np.ones(n, np.float32)], scratch, 5,
+                          density=0.01)  # a sparsity warm-up's threshold comes from the residual
+    assert len(calls) == 2

@@ -6,7 +6,7 @@ Rounds are planned by the cluster's own planner
 ``i``-th worker in address order stands), so the minibatch-to-replica assignment
 follows partitions, ``repartition`` and the balanced split as on a cluster with as
 many workers. The replicas step in lockstep: at a round's step ``j`` device ``i``
-fits the ``j``-th minibatch of its share and runs the workers' own step (:func:`~._state.encode_step`: the
+fits the ``j``-th minibatch of its share and runs the workers' own step (:func:`~._state.add_and_encode`: the
 update added to the residual, the part that crossed the threshold taken out as a
 message, the post-processor, the threshold's update), and every replica applies
 the other devices' messages with its own whole update (``own_update="whole"``), or
@@ -34,10 +34,11 @@ from jax.flatten_util import ravel_pytree
 
 from ..._mesh import FitOutcome, divergence, replica_rngs, stitched_updater_state
 from ...stats._record import RoundStats, iteration_rows
-from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, compiled_scan, decode_into, encode_scratch
+from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, compiled_add_scan, decode_into, encode_scratch
 from ._messages import SharingFigures
 from ._dgc import sent_elements, threshold_for_density, warmup_density
-from ._state import SumVectors, add_dropped, add_pieces, encode_step, post_acts, replica_options, sharing_functions
+from ._state import (SumVectors, add_and_encode, add_dropped, add_pieces, post_acts, replica_options,
+                     sharing_functions)
 from ._thresholds import senders, threshold_meta
 from ._xla import encode_on_device_jit, message_bytes, sparsity_of
 
@@ -209,7 +210,7 @@ class _Replicas:
         if encoder == "host":
             self.residuals = [np.zeros(self.n, np.float32) for _ in self.devices]
             self.scratch = [encode_scratch(self.n) for _ in self.devices]
-            compiled_scan()  # loaded now, not in the first step's messages
+            compiled_add_scan()  # loaded now (with the scan), not in the first step's messages
             self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="dlspark-encode")
             # The decoded sum of a step, as on a worker (every CPU device reads it in place:
             # device_put of an aligned host vector aliases it). Reuse of its vectors is safe: a
@@ -287,10 +288,10 @@ class _Replicas:
         """Replica ``i``'s message of this step (host encoder): the workers' own step. Replicas
         encode on threads of their own (the scan and numpy's loops release the GIL), each
         with its own scratch."""
-        add_pieces(self.residuals[i], update)
         self.steps[i] += 1
-        enc, self.residuals[i] = encode_step(self.algo, self.post, self.tstates[i], self.residuals[i],
-                                             self.scratch[i], self.steps[i], self.density, keep_dropped=self.own_whole)
+        enc, self.residuals[i] = add_and_encode(self.algo, self.post, self.tstates[i], self.residuals[i], update,
+                                                self.scratch[i], self.steps[i], self.density,
+                                                keep_dropped=self.own_whole)
         self.tstates[i] = enc.tstate
         if self.opts.mask_fields:
             self.sent[i] = sent_elements(enc.message, self.n)

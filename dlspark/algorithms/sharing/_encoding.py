@@ -134,9 +134,90 @@ def _scan_compiler(cache: bool):
     return scan
 
 
+def compiled_add_scan():
+    """The compiled pass that adds an update to a residual and finds the hits in one read of
+    each (:func:`add_and_find`), loaded by the first call in a process; None without numba."""
+    global _ADD_SCAN
+    if _ADD_SCAN is _NOT_LOADED:
+        if compiled_scan() is None:
+            _ADD_SCAN = None
+        else:
+            try:
+                _ADD_SCAN = _add_scan_compiler(cache=True)
+            except RuntimeError:
+                _ADD_SCAN = _add_scan_compiler(cache=False)
+    return _ADD_SCAN
+
+
+def _add_scan_compiler(cache: bool):
+    import numba
+
+    @numba.njit(nogil=True, cache=cache)
+    def add_scan(u, r, copy, keep, t, found):
+        # r += u; with ``keep``, copy[:] = u + 0 (the bits of adding u to zeros: -0.0 becomes
+        # +0.0); then the indices i with |r[i]| >= t, written to ``found``; returns how many.
+        # 64 elements at a time, each loop of a group on its own so that the compiler
+        # vectorises it (one loop doing all three measured three times as slow); a group
+        # is walked one by one only where it holds a hit, as in the scan.
+        n, k, start = r.size, 0, 0
+        zero = np.float32(0.0)
+        while start + 64 <= n:
+            for i in range(start, start + 64):
+                r[i] = r[i] + u[i]
+            if keep:
+                for i in range(start, start + 64):
+                    copy[i] = u[i] + zero
+            any_hit = False
+            for i in range(start, start + 64):
+                any_hit |= abs(r[i]) >= t
+            if any_hit:
+                for i in range(start, start + 64):
+                    if abs(r[i]) >= t:
+                        found[k] = i
+                        k += 1
+            start += 64
+        for i in range(start, n):
+            r[i] = r[i] + u[i]
+            if keep:
+                copy[i] = u[i] + zero
+            if abs(r[i]) >= t:
+                found[k] = i
+                k += 1
+        return k
+
+    return add_scan
+
+
+def add_and_find(residual: np.ndarray, pieces, threshold: float, scratch: tuple, copy: np.ndarray | None = None):
+    """``residual += concatenate(pieces)`` in place and the indices where ``|residual| >= threshold``
+    after it (what :func:`threshold_encode` would find), in one pass over each vector; with
+    ``copy``, ``copy[:] = 0 + concatenate(pieces)`` in the same pass. The same bits as the
+    separate passes. ``pieces`` are host vectors (or CPU device arrays, read in place); the
+    caller checked that :func:`compiled_add_scan` is loaded. Returns the indices, ascending."""
+    add_scan = compiled_add_scan()
+    found = scratch[0].view(np.int32)
+    t = np.float32(threshold)
+    hits, start = [], 0
+    for piece in pieces:
+        u = np.asarray(piece).reshape(-1)
+        for lo in range(0, u.size, found.size):  # at most as many hits as the scratch holds
+            m = min(found.size, u.size - lo)
+            at = start + lo
+            k = add_scan(u[lo:lo + m], residual[at:at + m], copy[at:at + m] if copy is not None else residual[:0],
+                         copy is not None, t, found)
+            if k:
+                hits.append(found[:k].astype(np.intp) + at)
+        start += u.size
+    if start != residual.size:
+        raise ValueError(f"the update's pieces hold {start} elements, the residual {residual.size}")
+    return np.concatenate(hits) if hits else np.empty(0, np.intp)
+
+
 _NOT_LOADED = object()
 #: The compiled scan once :func:`compiled_scan` loaded it, or None: then numpy finds the hits.
 _SCAN = _NOT_LOADED
+#: The compiled add-and-scan once :func:`compiled_add_scan` loaded it, or None.
+_ADD_SCAN = _NOT_LOADED
 
 
 def threshold_sending(residual, k: int) -> float:
@@ -150,8 +231,31 @@ def threshold_sending(residual, k: int) -> float:
     return float(np.partition(a, a.size - k)[a.size - k])
 
 
+def _find(r, t, absr, mask):
+    """The ascending indices where ``|r| >= t``."""
+    # Block by block, so that |r| and the mask stay in cache: one read of the
+    # residual from memory instead of three passes over full-size temporaries.
+    n = r.size
+    hits = []
+    scan = compiled_scan()
+    for start in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - start)
+        if scan is not None:
+            found = absr.view(np.int32)  # the scratch holds the block's hit indices instead
+            k = scan(r[start:start + m], t, found)
+            if k:
+                hits.append(found[:k].astype(np.intp) + start)
+            continue
+        np.abs(r[start:start + m], out=absr[:m])
+        np.greater_equal(absr[:m], t, out=mask[:m])
+        hit = np.flatnonzero(mask[:m])
+        if hit.size:
+            hits.append(hit + start if start else hit)
+    return np.concatenate(hits) if hits else np.empty(0, np.intp)
+
+
 def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray | None = None,
-                     scratch: tuple | None = None, min_count: int = 0) -> Encoded:
+                     scratch: tuple | None = None, min_count: int = 0, hits: np.ndarray | None = None) -> Encoded:
     """Move every element with ``|r| >= threshold`` by ``threshold`` into a message.
 
     ``decode(message) + residual_out == residual`` holds exactly in float32.
@@ -170,6 +274,9 @@ def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray 
         With fewer moved elements than this, nothing moves: the message is
         ``EMPTY`` and the residual is left as it is (the sharing steps pass
         :data:`MIN_MESSAGE_ELEMENTS`).
+    hits : int vector, optional
+        The ascending indices with ``|r| >= threshold``, already found (:func:`add_and_find`):
+        the residual is not scanned again.
     """
     r = np.asarray(residual)
     if r.ndim != 1 or r.dtype != np.float32:
@@ -181,24 +288,7 @@ def threshold_encode(residual: np.ndarray, threshold: float, *, out: np.ndarray 
     absr, mask = scratch if scratch is not None else encode_scratch(n)
     if min(absr.size, mask.size) < scratch_size(n):
         raise ValueError(f"scratch buffers must hold {scratch_size(n)} elements, got {absr.size} and {mask.size}")
-    # Block by block, so that |r| and the mask stay in cache: one read of the
-    # residual from memory instead of three passes over full-size temporaries.
-    hits = []
-    scan = compiled_scan()
-    for start in range(0, n, _BLOCK):
-        m = min(_BLOCK, n - start)
-        if scan is not None:
-            found = absr.view(np.int32)  # the scratch holds the block's hit indices instead
-            k = scan(r[start:start + m], t, found)
-            if k:
-                hits.append(found[:k].astype(np.intp) + start)
-            continue
-        np.abs(r[start:start + m], out=absr[:m])
-        np.greater_equal(absr[:m], t, out=mask[:m])
-        hit = np.flatnonzero(mask[:m])
-        if hit.size:
-            hits.append(hit + start if start else hit)
-    idx = np.concatenate(hits) if hits else np.empty(0, np.intp)
+    idx = _find(r, t, absr, mask) if hits is None else hits
     vals = r[idx]
     q = np.where(vals > 0, t, -t).astype(np.float32)
     new = vals - q

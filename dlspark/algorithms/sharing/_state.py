@@ -21,13 +21,13 @@ from jax.flatten_util import ravel_pytree
 from ... import config
 from ._dgc import find_momentum, local_clip_norm, mask_momentum, sent_elements, threshold_for_density
 from ._dgc import warmup_density
-from ._encoding import (EMPTY, MIN_MESSAGE_ELEMENTS, compiled_scan, decode_into, empty_message, encode_scratch,
-                        threshold_encode)
+from ._encoding import (EMPTY, MIN_MESSAGE_ELEMENTS, add_and_find, compiled_add_scan, decode_into,
+                        empty_message, encode_scratch, threshold_encode)
 from ._thresholds import ThresholdState
 from ._xla import sparsity_of
 
-__all__ = ["SharingState", "Encoded", "encode_step", "add_dropped", "post_acts", "SumVectors", "add_pieces",
-           "sharing_functions", "ReplicaOptions", "replica_options"]
+__all__ = ["SharingState", "Encoded", "encode_step", "add_and_encode", "add_dropped", "post_acts", "SumVectors",
+           "add_pieces", "sharing_functions", "ReplicaOptions", "replica_options"]
 
 def _aligned_zeros(n):
     """A zeroed fp32 vector whose data starts on a 64-byte boundary: XLA's CPU client
@@ -47,10 +47,12 @@ class SumVectors:
         self.vectors = (_aligned_zeros(n), _aligned_zeros(n))
         self.taken = 0
 
-    def take(self) -> np.ndarray:
+    def take(self, zeroed: bool = True) -> np.ndarray:
+        """The next vector, zeroed (or as it is, for a caller that writes all of it)."""
         vector = self.vectors[self.taken % 2]
         self.taken += 1
-        vector.fill(0)
+        if zeroed:
+            vector.fill(0)
         return vector
 
 
@@ -166,8 +168,29 @@ def add_dropped(total, enc: Encoded):
     return total
 
 
+def add_and_encode(algo, post, tstate, residual: np.ndarray, pieces, scratch, iteration: int, density=None,
+                   keep_dropped=False, copy: np.ndarray | None = None) -> tuple:
+    """A replica's step on the host: its update (``pieces``, see :func:`add_pieces`) added to its
+    ``residual``, then :func:`encode_step`; with ``copy``, the update also written there as
+    ``0 + update``. Where the threshold is known before the residual is (the threshold
+    algorithm's optional ``known_threshold``; no sparsity warm-up) and the compiled pass is
+    loaded, the addition, the copy and the search for what crosses the threshold are one pass
+    over each vector (:func:`~._encoding.add_and_find`) instead of three or four; the same
+    bits either way. Returns ``(Encoded, residual)``."""
+    known = getattr(algo, "known_threshold", None)
+    t = known(tstate) if known is not None and density is None else None
+    if t is not None and t > 0 and np.isfinite(t) and compiled_add_scan() is not None:
+        hits = add_and_find(residual, pieces, t, scratch, copy)
+        return encode_step(algo, post, tstate, residual, scratch, iteration, density, keep_dropped, hits=hits)
+    add_pieces(residual, pieces)
+    if copy is not None:
+        copy.fill(0)
+        add_pieces(copy, pieces)
+    return encode_step(algo, post, tstate, residual, scratch, iteration, density, keep_dropped)
+
+
 def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: int, density=None,
-                keep_dropped=False) -> tuple:
+                keep_dropped=False, hits=None) -> tuple:
     """A replica's encode of one step, on either runtime, after its update was added to its
     ``residual``: the threshold (``prepare``), the message of what crossed it (taken out of
     the residual, in place; fewer than 2 elements send an EMPTY note), the post-processor
@@ -181,13 +204,16 @@ def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: in
     it starts (with its own warm-up) when the sparsity warm-up ends.
 
     ``keep_dropped``: the post-processor's change to the residual (after minus before) comes
-    back as ``Encoded.dropped`` where it may have acted (:func:`post_acts`), else None."""
+    back as ``Encoded.dropped`` where it may have acted (:func:`post_acts`), else None.
+
+    ``hits``: the indices crossing the threshold, found as the update was added
+    (:func:`add_and_encode`); the threshold is then the state's own."""
     if density is None:
         tstate = algo.prepare(tstate, residual)
         t = tstate.threshold
     else:
         t = threshold_for_density(residual, density)
-    enc = threshold_encode(residual, t, out=residual, scratch=scratch, min_count=MIN_MESSAGE_ELEMENTS)
+    enc = threshold_encode(residual, t, out=residual, scratch=scratch, min_count=MIN_MESSAGE_ELEMENTS, hits=hits)
     before = residual.copy() if keep_dropped and post_acts(post, iteration) else None
     residual = post.update(residual, t, iteration)
     dropped = None if before is None else np.subtract(residual, before, out=before)
@@ -238,7 +264,7 @@ class SharingState:
         self.n = int(flat.size)
         self.residual = np.zeros(self.n, np.float32)
         self.scratch = encode_scratch(self.n)
-        compiled_scan()  # loaded now, not in the first step's message
+        compiled_add_scan()  # loaded now (with the scan), not in the first step's message
         # The decoded sum of a step. Reuse of its vectors is safe: a vector is written again
         # only after the next step's update was read back, which waits for the apply that read it.
         self.totals = SumVectors(self.n)
@@ -416,10 +442,13 @@ class SharingState:
             state = state.replace(opt_state=opt, model_state=ms, rng=rng)
             if self.own_whole and not self.in_place:  # read twice: fetched from the device once
                 pieces = jax.device_get(pieces)
-            add_pieces(self.residual, pieces)
             self.step += 1
-            enc, self.residual = encode_step(self.algo, self.post, self.tstate, self.residual, self.scratch,
-                                             self.iteration_base + self.step, density, keep_dropped=self.own_whole)
+            # The decoded sum of the step: under the whole own update, the update itself
+            # (written as it is added to the residual), its peers' messages added below
+            total = self.totals.take(zeroed=not self.own_whole)
+            enc, self.residual = add_and_encode(self.algo, self.post, self.tstate, self.residual, pieces, self.scratch,
+                                                self.iteration_base + self.step, density, keep_dropped=self.own_whole,
+                                                copy=total if self.own_whole else None)
             t, message = enc.threshold, enc.message
             if opts.mask_fields:
                 state = state.replace(opt_state=self.mask_momentum(state.opt_state, sent_elements(message, self.n),
@@ -427,9 +456,8 @@ class SharingState:
             if rec.on:
                 rec.mark("encode", step=self.step, threshold=float(t), sparsity=enc.count / self.n,
                          bytes=int(message.nbytes))
-            total = self.totals.take()
             if self.own_whole:  # its own update whole (the residual keeps what its peers lack)
-                add_dropped(add_pieces(total, pieces), enc)
+                add_dropped(total, enc)
             elif message[0] != EMPTY:
                 decode_into(message, total)
             self._publish(message, send)

@@ -44,7 +44,10 @@ class ThresholdAlgorithm(Protocol):
 
     Each method is pure: it returns a new :class:`ThresholdState` and changes nothing.
     ``init`` starts a replica; ``prepare`` gives the threshold that encodes this step's
-    residual (after the update was added); ``update`` moves it after the step, told the
+    residual (after the update was added; an algorithm may also provide
+    ``known_threshold(state)``, the threshold ``prepare`` gives whatever the residual, or None,
+    which lets a step add its update and find what crosses in one pass over the residual);
+    ``update`` moves it after the step, told the
     sparsity sent (a dense bitmap counts as 1/16, an empty message as 0); ``reduce``
     combines the replicas' states at the end of a fit into the one carried to the next.
     Its ``repr`` names it in checkpoints (a resumed fit goes on from the thresholds
@@ -162,9 +165,18 @@ class _Threshold:
         the aimed-at sparsity of this residual (top-k selection, as Deep Gradient
         Compression does). Otherwise the state as it is.
         """
-        if self.initial is not None or (np.isfinite(state.threshold) and state.steps >= self.warmup):
+        if self.known_threshold(state) is not None:
             return state
         return state._replace(threshold=quantile_threshold(residual, self._first_sparsity()))
+
+    def known_threshold(self, state: ThresholdState) -> float | None:
+        """The threshold :meth:`prepare` gives from ``state`` whatever the residual, or None
+        where it reads the residual (the warm-up). An optional part of the protocol: with it
+        a step adds its update to the residual and finds what crosses the threshold in one
+        pass."""
+        if self.initial is not None or (np.isfinite(state.threshold) and state.steps >= self.warmup):
+            return float(state.threshold)
+        return None
 
     def reduce(self, states) -> ThresholdState:
         """Combine the workers' states at the end of a fit: the mean threshold (as DL4J's reducers)."""
