@@ -62,12 +62,22 @@ def plain_steps_per_second(kind, batch_size, steps=60, core=0, updater="sgd"):
     return rate, cpu_per_wall
 
 
-def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60, updater="sgd"):
+def plain_concurrent_steps_per_second(kind, batch_size, cores=(0, 1), steps=60, updater="sgd", warm=None):
     """Mean steps/s of plain processes run at the same time, one pinned to each of ``cores``:
-    the baseline with the machine as loaded as in a job (shared caches, memory bandwidth)."""
-    procs = [subprocess.Popen(*_plain_command(kind, batch_size, steps, c, updater), stdout=subprocess.PIPE, text=True)
-             for c in cores]
-    rates = [float(p.communicate()[0].split()[0]) for p in procs]
+    the baseline with the machine as loaded as in a job (shared caches, memory bandwidth).
+    Every process compiles and warms its step first; then all are timed at once. ``warm``:
+    a :class:`PlainProcess` of the same step already running on one of ``cores``, which
+    stands for that core (no process is started for it)."""
+    started = [PlainProcess(kind, batch_size, core=c, updater=updater) for c in cores
+               if warm is None or c != warm.core]
+    procs = [warm, *started] if warm is not None and warm.core in cores else started
+    try:
+        for p in procs:
+            p.ask(steps)
+        rates = [p.answer()[0] for p in procs]
+    finally:
+        for p in started:
+            p.close()
     return sum(rates) / len(rates)
 
 
@@ -103,8 +113,19 @@ def _plain_loop(kind, batch_size, updater="sgd"):
 
 def _step_loop(kind, batch_size, steps, updater="sgd"):
     """The plain step's ``(steps/s, CPU per wall)`` over ``steps``, run where this is called: in a
-    fresh pinned process (the baseline) or in a worker (the bound below)."""
-    return _plain_loop(kind, batch_size, updater)(steps)
+    fresh pinned process (the baseline) or in a worker (the bound below), where the compiled
+    and warmed loop is kept for the next call (this module travels by value: the worker's
+    own object holds it)."""
+    try:
+        from distributed import get_worker
+
+        held = get_worker().__dict__.setdefault("_bench_plain_loops", {})
+    except ValueError:  # not in a worker
+        held = {}
+    key = (kind, batch_size, updater)
+    if key not in held:
+        held[key] = _plain_loop(kind, batch_size, updater)
+    return held[key](steps)
 
 
 def _serve_plain_loop(kind, batch_size, updater="sgd"):
@@ -126,16 +147,27 @@ class PlainProcess:
     """
 
     def __init__(self, kind, batch_size, core=0, updater="sgd"):
+        self.core = core
         self.proc = subprocess.Popen(*_pinned_call(core, f"_serve_plain_loop({kind!r}, {batch_size}, {updater!r})"),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("the baseline process did not start")
+        self.ready = False  # read on first use: processes started together compile side by side
 
-    def rate(self, steps=60):
+    def ask(self, steps=60):
+        """Start timing ``steps`` steps (once the step is compiled and warm); :meth:`answer` reads the rate."""
+        if not self.ready:
+            if self.proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("the baseline process did not start")
+            self.ready = True
         self.proc.stdin.write(f"{steps}\n")
         self.proc.stdin.flush()
+
+    def answer(self):
         rate, cpu = map(float, self.proc.stdout.readline().split())
         return rate, cpu
+
+    def rate(self, steps=60):
+        self.ask(steps)
+        return self.answer()
 
     def close(self):
         self.proc.stdin.close()

@@ -56,42 +56,45 @@ def measure(kind="mlp", n_rounds=80, workers=2, freq=FREQ, approach="export", al
     own_cores = os.sched_getaffinity(0) if client_cores is not None else None
     batch = batch or BATCH[kind]
     data = make_data(batch * freq * workers * (n_rounds // segments), kind)
-    with PlainProcess(kind, batch, updater=updater) as plain, local_cluster(workers) as cluster, Client(cluster) as client:
-        client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers, cores_per_worker=1))
-        if client_cores is not None:  # workers spawned later would inherit these cores: restored below
-            pin_process(set(client_cores))
-        net = make_network(kind, updater)
-        sharing = {"steps_per_round": 4 * freq} if algorithm == "sharing" else {}
-        master = make_master(algorithm, batch, freq, approach, **sharing)
-        trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
-        # A short fit first warms the worker processes (compilation, first-touch page
-        # faults of their memory), as the baseline's first steps do.
-        trainer.fit(make_data(batch * freq * workers * 4, kind))
-        plain_rates, cpu = [plain.rate()[0]], []
-        bounds, over_bound = [in_cluster_steps_per_second(client, kind, batch, updater=updater)], []
-        ratios, steps, wall, fit, avg, fetch = [], 0.0, 0.0, 0.0, 0.0, 0.0
-        for _ in range(segments):
-            trainer.fit(data)
-            stats = trainer.last_fit_stats[2:]  # rounds 1-2 of a job include its set-up
-            seg_steps = sum(s["minibatches"] for s in stats) / workers
-            seg_wall = sum(s["round_time"] for s in stats)
-            rate, c = plain.rate()
-            plain_rates.append(rate)
-            cpu.append(c)
-            ratios.append(seg_steps / seg_wall / ((plain_rates[-2] + plain_rates[-1]) / 2))
-            bounds.append(in_cluster_steps_per_second(client, kind, batch, updater=updater))
-            over_bound.append(seg_steps / seg_wall / ((bounds[-2] + bounds[-1]) / 2))
-            steps, wall = steps + seg_steps, wall + seg_wall
-            fit += sum(max(s["worker_fit_time"].values()) for s in stats)
-            avg += sum(s["avg_time"] for s in stats)
-            fetch += sum(s["fetch_time"] for s in stats)
-        trainer.close()
-        bound = statistics.mean(bounds)
-    if client_cores is not None:
-        pin_process(own_cores)
-    job_rate = steps / wall
-    plain_rate = statistics.mean(plain_rates)
-    concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(workers)), updater=updater)
+    with PlainProcess(kind, batch, updater=updater) as plain:
+        with local_cluster(workers) as cluster, Client(cluster) as client:
+            client.register_plugin(DlsparkWorkerPlugin(pin_cores=True, n_workers=workers, cores_per_worker=1))
+            if client_cores is not None:  # workers spawned later would inherit these cores: restored below
+                pin_process(set(client_cores))
+            net = make_network(kind, updater)
+            sharing = {"steps_per_round": 4 * freq} if algorithm == "sharing" else {}
+            master = make_master(algorithm, batch, freq, approach, **sharing)
+            trainer = dlspark.DistributedTrainer(client, net, master, progress=False)
+            # A short fit first warms the worker processes (compilation, first-touch page
+            # faults of their memory), as the baseline's first steps do.
+            trainer.fit(make_data(batch * freq * workers * 4, kind))
+            plain_rates, cpu = [plain.rate()[0]], []
+            bounds, over_bound = [in_cluster_steps_per_second(client, kind, batch, updater=updater)], []
+            ratios, steps, wall, fit, avg, fetch = [], 0.0, 0.0, 0.0, 0.0, 0.0
+            for _ in range(segments):
+                trainer.fit(data)
+                stats = trainer.last_fit_stats[2:]  # rounds 1-2 of a job include its set-up
+                seg_steps = sum(s["minibatches"] for s in stats) / workers
+                seg_wall = sum(s["round_time"] for s in stats)
+                rate, c = plain.rate()
+                plain_rates.append(rate)
+                cpu.append(c)
+                ratios.append(seg_steps / seg_wall / ((plain_rates[-2] + plain_rates[-1]) / 2))
+                bounds.append(in_cluster_steps_per_second(client, kind, batch, updater=updater))
+                over_bound.append(seg_steps / seg_wall / ((bounds[-2] + bounds[-1]) / 2))
+                steps, wall = steps + seg_steps, wall + seg_wall
+                fit += sum(max(s["worker_fit_time"].values()) for s in stats)
+                avg += sum(s["avg_time"] for s in stats)
+                fetch += sum(s["fetch_time"] for s in stats)
+            trainer.close()
+            bound = statistics.mean(bounds)
+        if client_cores is not None:
+            pin_process(own_cores)
+        job_rate = steps / wall
+        plain_rate = statistics.mean(plain_rates)
+        # the warm baseline stands for the first worker's core among those run side by side
+        concurrent = plain_concurrent_steps_per_second(kind, batch, cores=tuple(range(workers)), updater=updater,
+                                                       warm=plain)
     return {"algorithm": algorithm, "network": kind, "updater": updater, "params": net.num_params,
             "job_steps_per_s": job_rate, "plain_steps_per_s": plain_rate, "efficiency": statistics.median(ratios),
             "efficiency_min": min(ratios), "efficiency_max": max(ratios),
