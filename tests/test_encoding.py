@@ -360,3 +360,19 @@ def test_the_step_adds_and_finds_in_one_pass_once_the_threshold_is_known(monkeyp
     _state.add_and_encode(algo, NoResidualPostProcessing(), state, residual, [np.ones(n, np.float32)], scratch, 5,
                           density=0.01)  # a sparsity warm-up's threshold comes from the residual
     assert len(calls) == 2
+
+
+def test_a_known_threshold_that_prepare_does_not_give_is_refused():
+    from dlspark.algorithms.sharing._state import add_and_encode
+
+    if _encoding.compiled_add_scan() is None:
+        pytest.skip("numba is not installed: only the separate passes exist")
+
+    class Inconsistent(_NoKnownThreshold):
+        def known_threshold(self, state):
+            return 2 * state.threshold
+
+    algo = Inconsistent(0.5)
+    with pytest.raises(RuntimeError, match="known_threshold gave 1.0 but prepare gave 0.5"):
+        add_and_encode(algo, NoResidualPostProcessing(), algo.fixed.init(), np.zeros(10, np.float32),
+                       [np.ones(10, np.float32)], encode_scratch(10), 1)

@@ -181,7 +181,7 @@ def add_and_encode(algo, post, tstate, residual: np.ndarray, pieces, scratch, it
     t = known(tstate) if known is not None and density is None else None
     if t is not None and t > 0 and np.isfinite(t) and compiled_add_scan() is not None:
         hits = add_and_find(residual, pieces, t, scratch, copy)
-        return encode_step(algo, post, tstate, residual, scratch, iteration, density, keep_dropped, hits=hits)
+        return encode_step(algo, post, tstate, residual, scratch, iteration, density, keep_dropped, hits=(hits, t))
     add_pieces(residual, pieces)
     if copy is not None:
         copy.fill(0)
@@ -206,13 +206,19 @@ def encode_step(algo, post, tstate, residual: np.ndarray, scratch, iteration: in
     ``keep_dropped``: the post-processor's change to the residual (after minus before) comes
     back as ``Encoded.dropped`` where it may have acted (:func:`post_acts`), else None.
 
-    ``hits``: the indices crossing the threshold, found as the update was added
-    (:func:`add_and_encode`); the threshold is then the state's own."""
+    ``hits``: ``(indices, threshold)``, the indices crossing the algorithm's
+    ``known_threshold``, found as the update was added (:func:`add_and_encode`); ``prepare``
+    must give that threshold."""
     if density is None:
         tstate = algo.prepare(tstate, residual)
         t = tstate.threshold
     else:
         t = threshold_for_density(residual, density)
+    if hits is not None:
+        hits, known = hits
+        if np.float32(known) != np.float32(t):
+            raise RuntimeError(f"{algo!r}: known_threshold gave {known!r} but prepare gave {t!r}; known_threshold "
+                               "must be the threshold prepare gives whatever the residual, or None")
     enc = threshold_encode(residual, t, out=residual, scratch=scratch, min_count=MIN_MESSAGE_ELEMENTS, hits=hits)
     before = residual.copy() if keep_dropped and post_acts(post, iteration) else None
     residual = post.update(residual, t, iteration)
