@@ -303,7 +303,7 @@ def test_adding_and_finding_in_one_pass_has_the_bits_of_the_separate_passes(piec
     # update), then encoded; the one compiled pass against add_pieces, a zeroed copy and the scan
     from dlspark.algorithms.sharing._state import add_and_encode
 
-    if _encoding.compiled_add_scan() is None:
+    if _encoding.compiled_scan() is None:
         pytest.skip("numba is not installed: only the separate passes exist")
     n = sum(p.size for p in pieces)
     pieces[0][::31] = [np.nan, -0.0, np.inf, 0.0, -np.inf, 1e-30, -10.0][: pieces[0][::31].size]
@@ -331,7 +331,7 @@ def test_adding_and_finding_in_one_pass_has_the_bits_of_the_separate_passes(piec
 @pytest.mark.parametrize("at", [[0], [63], [64, 127], [130], [199]])
 def test_one_pass_finds_a_lone_hit_at_a_groups_edge_and_in_the_tail(at):
     # the pass looks into a group of 64 only where some element of it crossed
-    if _encoding.compiled_add_scan() is None:
+    if _encoding.compiled_scan() is None:
         pytest.skip("numba is not installed: only the separate passes exist")
     residual, update = np.zeros(200, np.float32), np.zeros(200, np.float32)
     update[at] = 2.0
@@ -343,7 +343,7 @@ def test_one_pass_finds_a_lone_hit_at_a_groups_edge_and_in_the_tail(at):
 def test_the_step_adds_and_finds_in_one_pass_once_the_threshold_is_known(monkeypatch):
     from dlspark.algorithms.sharing import _state
 
-    if _encoding.compiled_add_scan() is None:
+    if _encoding.compiled_scan() is None:
         pytest.skip("numba is not installed: only the separate passes exist")
     calls = []
     monkeypatch.setattr(_state, "add_and_find", lambda *a: calls.append(a) or _encoding.add_and_find(*a))
@@ -365,7 +365,7 @@ def test_the_step_adds_and_finds_in_one_pass_once_the_threshold_is_known(monkeyp
 def test_a_known_threshold_that_prepare_does_not_give_is_refused():
     from dlspark.algorithms.sharing._state import add_and_encode
 
-    if _encoding.compiled_add_scan() is None:
+    if _encoding.compiled_scan() is None:
         pytest.skip("numba is not installed: only the separate passes exist")
 
     class Inconsistent(_NoKnownThreshold):

@@ -34,7 +34,7 @@ from jax.flatten_util import ravel_pytree
 
 from ..._mesh import FitOutcome, divergence, replica_rngs, stitched_updater_state
 from ...stats._record import RoundStats, iteration_rows
-from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, compiled_add_scan, decode_into, encode_scratch
+from ._encoding import EMPTY, MIN_MESSAGE_ELEMENTS, compiled_scan, decode_into, encode_scratch
 from ._messages import SharingFigures
 from ._dgc import sent_elements, threshold_for_density, warmup_density
 from ._state import (SumVectors, add_and_encode, add_dropped, add_pieces, post_acts, replica_options,
@@ -210,7 +210,7 @@ class _Replicas:
         if encoder == "host":
             self.residuals = [np.zeros(self.n, np.float32) for _ in self.devices]
             self.scratch = [encode_scratch(self.n) for _ in self.devices]
-            compiled_add_scan()  # loaded now (with the scan), not in the first step's messages
+            compiled_scan()  # loaded now, not in the first step's messages
             self.pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="dlspark-encode")
             # The decoded sum of a step, as on a worker (every CPU device reads it in place:
             # device_put of an aligned host vector aliases it). Reuse of its vectors is safe: a

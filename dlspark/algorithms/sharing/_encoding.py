@@ -110,60 +110,19 @@ def _scan_compiler(cache: bool):
     import numba
 
     @numba.njit(nogil=True, cache=cache)
-    def scan(r, t, found):
-        # Indices i with |r[i]| >= t, written to ``found``; returns how many. Elements go
-        # 64 at a time through a test the compiler vectorises; only a group holding a
-        # hit is walked one by one, so at the sparsities used the residual is read once.
-        n, k, start = r.size, 0, 0
-        while start + 64 <= n:
-            any_hit = False
-            for i in range(start, start + 64):
-                any_hit |= abs(r[i]) >= t
-            if any_hit:
-                for i in range(start, start + 64):
-                    if abs(r[i]) >= t:
-                        found[k] = i
-                        k += 1
-            start += 64
-        for i in range(start, n):
-            if abs(r[i]) >= t:
-                found[k] = i
-                k += 1
-        return k
-
-    return scan
-
-
-def compiled_add_scan():
-    """The compiled pass that adds an update to a residual and finds the hits in one read of
-    each (:func:`add_and_find`), loaded by the first call in a process; None without numba."""
-    global _ADD_SCAN
-    if _ADD_SCAN is _NOT_LOADED:
-        if compiled_scan() is None:
-            _ADD_SCAN = None
-        else:
-            try:
-                _ADD_SCAN = _add_scan_compiler(cache=True)
-            except RuntimeError:
-                _ADD_SCAN = _add_scan_compiler(cache=False)
-    return _ADD_SCAN
-
-
-def _add_scan_compiler(cache: bool):
-    import numba
-
-    @numba.njit(nogil=True, cache=cache)
-    def add_scan(u, r, copy, keep, t, found):
-        # r += u; with ``keep``, copy[:] = u + 0 (the bits of adding u to zeros: -0.0 becomes
-        # +0.0); then the indices i with |r[i]| >= t, written to ``found``; returns how many.
-        # 64 elements at a time, each loop of a group on its own so that the compiler
-        # vectorises it (one loop doing all three measured three times as slow); a group
-        # is walked one by one only where it holds a hit, as in the scan.
+    def scan(r, t, found, u, copy, add, keep):
+        # Indices i with |r[i]| >= t, written to ``found``; returns how many. With ``add``,
+        # r += u first; with ``keep``, copy[:] = u + 0 as well (the bits of adding u to
+        # zeros: -0.0 becomes +0.0). Elements go 64 at a time, each loop over a group on
+        # its own so that the compiler vectorises it (one loop doing all three measured three
+        # times as slow); only a group holding a hit is walked one by one, so at the
+        # sparsities used each vector is read once.
         n, k, start = r.size, 0, 0
         zero = np.float32(0.0)
         while start + 64 <= n:
-            for i in range(start, start + 64):
-                r[i] = r[i] + u[i]
+            if add:
+                for i in range(start, start + 64):
+                    r[i] = r[i] + u[i]
             if keep:
                 for i in range(start, start + 64):
                     copy[i] = u[i] + zero
@@ -177,7 +136,8 @@ def _add_scan_compiler(cache: bool):
                         k += 1
             start += 64
         for i in range(start, n):
-            r[i] = r[i] + u[i]
+            if add:
+                r[i] = r[i] + u[i]
             if keep:
                 copy[i] = u[i] + zero
             if abs(r[i]) >= t:
@@ -185,7 +145,7 @@ def _add_scan_compiler(cache: bool):
                 k += 1
         return k
 
-    return add_scan
+    return scan
 
 
 def add_and_find(residual: np.ndarray, pieces, threshold: float, scratch: tuple, copy: np.ndarray | None = None):
@@ -193,8 +153,9 @@ def add_and_find(residual: np.ndarray, pieces, threshold: float, scratch: tuple,
     after it (what :func:`threshold_encode` would find), in one pass over each vector; with
     ``copy``, ``copy[:] = 0 + concatenate(pieces)`` in the same pass. The same bits as the
     separate passes. ``pieces`` are host vectors (or CPU device arrays, read in place); the
-    caller checked that :func:`compiled_add_scan` is loaded. Returns the indices, ascending."""
-    add_scan = compiled_add_scan()
+    caller checked that :func:`compiled_scan` is loaded (numba is installed). Returns the
+    indices, ascending."""
+    scan = compiled_scan()
     found = scratch[0].view(np.int32)
     t = np.float32(threshold)
     hits, start = [], 0
@@ -203,8 +164,9 @@ def add_and_find(residual: np.ndarray, pieces, threshold: float, scratch: tuple,
         for lo in range(0, u.size, found.size):  # at most as many hits as the scratch holds
             m = min(found.size, u.size - lo)
             at = start + lo
-            k = add_scan(u[lo:lo + m], residual[at:at + m], copy[at:at + m] if copy is not None else residual[:0],
-                         copy is not None, t, found)
+            r = residual[at:at + m]
+            k = scan(r, t, found, u[lo:lo + m], copy[at:at + m] if copy is not None else r[:0], True,
+                     copy is not None)
             if k:
                 hits.append(found[:k].astype(np.intp) + at)
         start += u.size
@@ -216,8 +178,6 @@ def add_and_find(residual: np.ndarray, pieces, threshold: float, scratch: tuple,
 _NOT_LOADED = object()
 #: The compiled scan once :func:`compiled_scan` loaded it, or None: then numpy finds the hits.
 _SCAN = _NOT_LOADED
-#: The compiled add-and-scan once :func:`compiled_add_scan` loaded it, or None.
-_ADD_SCAN = _NOT_LOADED
 
 
 def threshold_sending(residual, k: int) -> float:
@@ -242,7 +202,8 @@ def _find(r, t, absr, mask):
         m = min(_BLOCK, n - start)
         if scan is not None:
             found = absr.view(np.int32)  # the scratch holds the block's hit indices instead
-            k = scan(r[start:start + m], t, found)
+            block = r[start:start + m]
+            k = scan(block, t, found, block, block[:0], False, False)
             if k:
                 hits.append(found[:k].astype(np.intp) + start)
             continue

@@ -21,7 +21,7 @@ from jax.flatten_util import ravel_pytree
 from ... import config
 from ._dgc import find_momentum, local_clip_norm, mask_momentum, sent_elements, threshold_for_density
 from ._dgc import warmup_density
-from ._encoding import (EMPTY, MIN_MESSAGE_ELEMENTS, add_and_find, compiled_add_scan, decode_into,
+from ._encoding import (EMPTY, MIN_MESSAGE_ELEMENTS, add_and_find, compiled_scan, decode_into,
                         empty_message, encode_scratch, threshold_encode)
 from ._thresholds import ThresholdState
 from ._xla import sparsity_of
@@ -179,7 +179,7 @@ def add_and_encode(algo, post, tstate, residual: np.ndarray, pieces, scratch, it
     bits either way. Returns ``(Encoded, residual)``."""
     known = getattr(algo, "known_threshold", None)
     t = known(tstate) if known is not None and density is None else None
-    if t is not None and t > 0 and np.isfinite(t) and compiled_add_scan() is not None:
+    if t is not None and t > 0 and np.isfinite(t) and compiled_scan() is not None:
         hits = add_and_find(residual, pieces, t, scratch, copy)
         return encode_step(algo, post, tstate, residual, scratch, iteration, density, keep_dropped, hits=(hits, t))
     add_pieces(residual, pieces)
@@ -270,7 +270,7 @@ class SharingState:
         self.n = int(flat.size)
         self.residual = np.zeros(self.n, np.float32)
         self.scratch = encode_scratch(self.n)
-        compiled_add_scan()  # loaded now (with the scan), not in the first step's message
+        compiled_scan()  # loaded now, not in the first step's message
         # The decoded sum of a step. Reuse of its vectors is safe: a vector is written again
         # only after the next step's update was read back, which waits for the apply that read it.
         self.totals = SumVectors(self.n)
