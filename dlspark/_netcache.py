@@ -44,7 +44,10 @@ def _entry(definition, token):
     size = _bound("worker.network-cache-size")
     while len(_ENTRIES) >= size:
         _ENTRIES.popitem(last=False)
-    net = Network.from_definition(definition)
+    # A template of the state, not a fresh one: each job and each inference task sends the
+    # state it runs at, and initialising would run (on a fresh worker, compile op by op) the
+    # initialisers only to throw their output away
+    net = Network.from_definition(definition, template=True)
     # Built here, once: every copy and every task then shares the same jitted functions,
     # so each input shape compiles once per process.
     net.steps  # noqa: B018

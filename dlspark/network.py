@@ -348,6 +348,11 @@ class Network:
     """
 
     def __init__(self, model, loss="softmax_cross_entropy", updater=None, seed=0, on_nonfinite="raise"):
+        self._configure(model, loss, updater, seed, on_nonfinite)
+        self.state = self.init_state()
+
+    def _configure(self, model, loss, updater, seed, on_nonfinite):
+        """Everything of ``__init__`` but the train state."""
         from .model import Model
 
         if not isinstance(model, Model):
@@ -369,7 +374,6 @@ class Network:
         self.updater = updater
         self.seed = int(seed)
         self.on_nonfinite = on_nonfinite
-        self.state = self.init_state()
         #: Names this network's definition: workers keep one compiled copy per token.
         self.token = uuid.uuid4().hex
         self._steps = None
@@ -397,12 +401,29 @@ class Network:
         return {"model": self.model, "loss": self.loss, "updater": self.updater,
                 "seed": self.seed, "on_nonfinite": self.on_nonfinite}
 
+    def state_template(self) -> TrainState:
+        """A train state of :meth:`init_state`'s structure, shapes and dtypes, all zeros, host
+        arrays built without running the initialisers: nothing computed, nothing compiled (JAX
+        only traces them). What a process that will be sent its state checks that state
+        against. A state holding JAX's extended dtypes (typed PRNG keys), which host arrays
+        cannot hold, is :meth:`init_state` itself."""
+        shapes = jax.eval_shape(self.init_state)
+        if any(jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended) for s in jax.tree_util.tree_leaves(shapes)):
+            return self.init_state()
+        return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
     @classmethod
-    def from_definition(cls, definition: dict, state: TrainState | None = None) -> "Network":
-        """Rebuild a network from :meth:`definition`, optionally with a given state."""
-        net = cls(**definition)
+    def from_definition(cls, definition: dict, state: TrainState | None = None, *,
+                        template: bool = False) -> "Network":
+        """Rebuild a network from :meth:`definition` with ``state``, or else a fresh one from its
+        seed, or with ``template`` :meth:`state_template` (for a process that will be sent
+        its state: a worker rebuilding the client's network)."""
+        net = cls.__new__(cls)
+        net._configure(**definition)
         if state is not None:
             net.state = state
+        else:
+            net.state = net.state_template() if template else net.init_state()
         return net
 
     @property
@@ -594,7 +615,8 @@ class Network:
         :meth:`restore`.
         """
         from .checkpoint import load_checkpoint
-        return load_checkpoint(url, cls.from_definition, **storage_options)
+        # the checkpoint's arrays replace the whole state: a template suffices to check them against
+        return load_checkpoint(url, lambda d: cls.from_definition(d, template=True), **storage_options)
 
     def __repr__(self):
         return f"Network({self.model!r}, params={self.num_params}, iteration={self.iteration}, epoch={self.epoch})"

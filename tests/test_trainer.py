@@ -164,6 +164,52 @@ def test_a_second_fit_sends_only_what_the_workers_do_not_hold(client2, make_net,
     assert [e["bytes"] for e in fresh.training_stats.select(phase="broadcast")][0] >= 2 * (state + momentum)
 
 
+def test_a_worker_rebuilds_the_network_without_running_its_initialisers(client2, make_net, digits):
+    # Every job and inference task sends the worker its state: initialising the network there
+    # would compute a state only to throw it away, compiling each initialiser op by op on a fresh
+    # worker. The worker checks the state it is sent against a template of zeros instead.
+    net = make_net(MLP(hidden=27))  # shapes no earlier test initialised
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, collect_training_stats=True)
+    with DistributedTrainer(client2, net, master, progress=False) as trainer:
+        trainer.fit(digits[0][:512])
+        compiled = {e["function"] for e in trainer.training_stats.events
+                    if e["phase"] == "compile" and str(e["worker"]).startswith("tcp://")}
+    assert "jit(bare_step)" in compiled or "jit(loop_steps)" in compiled, compiled  # compiles are recorded
+    assert not {f for f in compiled if "truncated_normal" in f}, compiled  # flax Dense's kernel initialiser
+    assert net.iteration == 16 and accuracy(net, digits[1]) > 0.6  # trained from the state sent
+
+
+def test_a_state_template_has_the_initial_states_shapes_and_computes_nothing(make_net):
+    import jax.monitoring
+
+    from dlspark import Model, Network
+
+    net = make_net(MLP(hidden=29))
+    # a definition of shapes no earlier test initialised (building a Network would initialise it)
+    definition = dict(net.definition(), model=Model.from_flax(MLP(hidden=31), np.zeros((1, 64), np.float32)))
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    rebuilt = Network.from_definition(definition, template=True)
+    assert compiles == []
+    fresh = rebuilt.init_state()
+    assert compiles  # the listener hears compiles: the initialisers run only here
+    assert jax.tree_util.tree_structure(rebuilt.state) == jax.tree_util.tree_structure(fresh)
+    for got, want in zip(jax.tree_util.tree_leaves(rebuilt.state), jax.tree_util.tree_leaves(fresh)):
+        assert isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == want.dtype
+        assert not got.any()
+    # a fresh state and a given one are as before
+    assert tree_equal(Network.from_definition(net.definition()).state, net.state)
+    assert Network.from_definition(net.definition(), net.state).state is net.state
+
+    def init(rng, x):  # a model state holding a typed key, which no host array can hold
+        return {"params": {"w": jax.numpy.zeros((x.shape[-1], 2))}, "noise": jax.random.key(3)}
+
+    keyed = Network(Model(init, lambda v, x, train, rng: x @ v["params"]["w"], np.zeros((1, 3), np.float32)))
+    template = Network.from_definition(keyed.definition(), template=True).state
+    assert jax.dtypes.issubdtype(template.model_state["noise"].dtype, jax.dtypes.extended)
+
+
 def _shared_step_sets():
     from dlspark import _stepshare
 
