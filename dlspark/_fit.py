@@ -1,4 +1,5 @@
-"""A network's local fit: the step loop that ``Network.fit`` runs in this process.
+"""A network's local fit: the step loop that ``Network.fit`` runs in this process (and its
+local output, ``Network.output``).
 
 Steps are dispatched without a host sync and read back every ``_SYNC_EVERY``
 steps (one transfer); consecutive minibatches of one shape may run as one
@@ -16,7 +17,7 @@ import numpy as np
 from .data import as_dataset, load_minibatch
 from .data._registry import local_batches
 
-__all__ = ["fit", "fused_steps", "step_convolves", "batch_signature", "one_shape"]
+__all__ = ["fit", "fused_steps", "step_convolves", "batch_signature", "one_shape", "local_output"]
 
 #: local fit reads losses back (one host sync) every this many steps: each sync costs
 #: about as much as ten small steps on one core (benchmarks/bench_fit_overhead.py). The
@@ -231,3 +232,28 @@ def _record(net, iterations, losses, bar):
     net.score_history.extend((i, float(x)) for i, x in zip(iterations, losses))
     if bar is not None and len(losses):
         bar.set_postfix(loss=f"{float(losses[-1]):.4g}", refresh=False)
+
+
+def local_output(net, features, batch_size=None, features_mask=None):
+    """:meth:`Network.output <dlspark.Network.output>` in this process: ``net``'s forward pass
+    in inference mode, in calls of ``batch_size`` examples; numpy outputs."""
+    x = jax.tree_util.tree_map(np.asarray, features)
+    n = jax.tree_util.tree_leaves(x)[0].shape[0]
+    if batch_size is not None and (isinstance(batch_size, (bool, np.bool_))
+                                   or not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer or None (all examples at once), "
+                         f"got {batch_size!r}")
+    step = int(batch_size) if batch_size else max(n, 1)
+    key = jax.tree_util.tree_structure((x, features_mask)), tuple(
+        (np.shape(a)[1:], np.asarray(a).dtype) for a in jax.tree_util.tree_leaves((x, features_mask)))
+    if key not in net._output_checked:  # once per shape: a clear error, not the model's own
+        net._output_shapes(x, features_mask)
+        net._output_checked.add(key)
+    parts = []
+    for i in range(0, max(n, 1), step):  # no examples: one call on the empty arrays
+        xs = jax.tree_util.tree_map(lambda a: a[i:i + step], x)
+        ms = None if features_mask is None else jax.tree_util.tree_map(lambda a: a[i:i + step], features_mask)
+        parts.append(jax.tree_util.tree_map(np.asarray, net.steps.output(net.state, xs, ms)))
+    if len(parts) == 1:
+        return parts[0]
+    return jax.tree_util.tree_map(lambda *a: np.concatenate(a, 0), *parts)

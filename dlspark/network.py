@@ -402,11 +402,10 @@ class Network:
                 "seed": self.seed, "on_nonfinite": self.on_nonfinite}
 
     def state_template(self) -> TrainState:
-        """A train state of :meth:`init_state`'s structure, shapes and dtypes, all zeros, host
-        arrays built without running the initialisers: nothing computed, nothing compiled (JAX
-        only traces them). What a process that will be sent its state checks that state
-        against. A state holding JAX's extended dtypes (typed PRNG keys), which host arrays
-        cannot hold, is :meth:`init_state` itself."""
+        """:meth:`init_state`'s structure, shapes and dtypes as host zeros, the initialisers only
+        traced (nothing computed or compiled): what a process that is sent its state checks it
+        against. A state with JAX's extended dtypes (typed PRNG keys), which host arrays cannot
+        hold, is :meth:`init_state` itself."""
         shapes = jax.eval_shape(self.init_state)
         if any(jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended) for s in jax.tree_util.tree_leaves(shapes)):
             return self.init_state()
@@ -415,15 +414,12 @@ class Network:
     @classmethod
     def from_definition(cls, definition: dict, state: TrainState | None = None, *,
                         template: bool = False) -> "Network":
-        """Rebuild a network from :meth:`definition` with ``state``, or else a fresh one from its
-        seed, or with ``template`` :meth:`state_template` (for a process that will be sent
-        its state: a worker rebuilding the client's network)."""
+        """Rebuild a network from :meth:`definition` with ``state``, else with a fresh state from
+        its seed, or with ``template`` its :meth:`state_template` (for a process that will be
+        sent its state: a worker rebuilding the client's network)."""
         net = cls.__new__(cls)
         net._configure(**definition)
-        if state is not None:
-            net.state = state
-        else:
-            net.state = net.state_template() if template else net.init_state()
+        net.state = state if state is not None else net.state_template() if template else net.init_state()
         return net
 
     @property
@@ -516,6 +512,7 @@ class Network:
         error, after the minibatches before it are trained and recorded.
         """
         return _fit.fit(self, data, epochs, batch_size, shuffle, progress, steps_per_call)
+
     def _fused_steps(self, batch) -> int:
         """``fit``'s default steps per call for minibatches like ``batch`` (see ``fit``)."""
         return _fit.fused_steps(self, batch)
@@ -523,7 +520,6 @@ class Network:
     def _step_convolves(self, batch, state=None) -> bool:
         """Whether the step on minibatches like ``batch`` has a convolution (see ``fit``)."""
         return _fit.step_convolves(self, batch, state)
-
 
     def fit_minibatch(self, ds) -> float:
         """One training step on one minibatch; returns its loss (DL4J's ``fit(DataSet)``)."""
@@ -551,26 +547,7 @@ class Network:
     # --- inference ------------------------------------------------------------
     def output(self, features, batch_size: int | None = None, features_mask=None):
         """Forward pass in inference mode; numpy outputs (a tuple for multi-output models)."""
-        x = jax.tree_util.tree_map(np.asarray, features)
-        n = jax.tree_util.tree_leaves(x)[0].shape[0]
-        if batch_size is not None and (isinstance(batch_size, (bool, np.bool_))
-                                       or not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
-            raise ValueError(f"batch_size must be a positive integer or None (all examples at once), "
-                             f"got {batch_size!r}")
-        step = int(batch_size) if batch_size else max(n, 1)
-        key = jax.tree_util.tree_structure((x, features_mask)), tuple(
-            (np.shape(a)[1:], np.asarray(a).dtype) for a in jax.tree_util.tree_leaves((x, features_mask)))
-        if key not in self._output_checked:  # once per shape: a clear error, not the model's own
-            self._output_shapes(x, features_mask)
-            self._output_checked.add(key)
-        parts = []
-        for i in range(0, max(n, 1), step):  # no examples: one call on the empty arrays
-            xs = jax.tree_util.tree_map(lambda a: a[i:i + step], x)
-            ms = None if features_mask is None else jax.tree_util.tree_map(lambda a: a[i:i + step], features_mask)
-            parts.append(jax.tree_util.tree_map(np.asarray, self.steps.output(self.state, xs, ms)))
-        if len(parts) == 1:
-            return parts[0]
-        return jax.tree_util.tree_map(lambda *a: np.concatenate(a, 0), *parts)
+        return _fit.local_output(self, features, batch_size, features_mask)
 
     def score(self, data, batch_size: int = 256) -> float:
         """Mean loss over ``data`` (DataSet, pair, list of DataSets, or minibatch URLs)."""
