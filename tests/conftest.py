@@ -1,6 +1,5 @@
 import atexit
 import collections
-import contextlib
 import os
 import shutil
 import tempfile
@@ -217,25 +216,6 @@ def make_net(digits):
 
 def accuracy(net, ds):
     return float((np.asarray(net.output(ds.features)).argmax(-1) == np.asarray(ds.labels).argmax(-1)).mean())
-
-
-@contextlib.contextmanager
-def backend_compiles():
-    """The backend compiles this process makes inside the block: a list, one entry each, that
-    grows as they happen (JAX's monitoring events)."""
-    import jax.monitoring
-
-    compiles = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(secs)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield compiles
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def tree_equal(a, b):

@@ -11,7 +11,6 @@ from conftest import (
     FiniteOutputs,
     SmallConv,
     accuracy,
-    backend_compiles,
     kill_at_round,
     slow_loader,
     tree_equal,
@@ -181,12 +180,21 @@ def test_a_worker_rebuilds_the_network_without_running_its_initialisers(client2,
 
 
 def test_a_state_template_has_the_initial_states_shapes_and_computes_nothing(make_net):
+    import jax.monitoring
+
     from dlspark import Model, Network
 
     net = make_net(MLP(hidden=29))
     # a definition of shapes no earlier test initialised (building a Network would initialise it)
     definition = dict(net.definition(), model=Model.from_flax(MLP(hidden=31), np.zeros((1, 64), np.float32)))
-    with backend_compiles() as compiles:
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
         rebuilt = Network.from_definition(definition, template=True)
         assert compiles == []
         fresh = rebuilt.init_state()
@@ -214,6 +222,8 @@ def test_a_state_template_has_the_initial_states_shapes_and_computes_nothing(mak
         assert np.abs(np.asarray(host.state.params["w"])).max() == 1.0
         template = Network.from_definition(host.definition(), template=True).state
         assert tree_equal(template.params, host.state.params)  # the initialisers' own state
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _shared_step_sets():
