@@ -405,7 +405,7 @@ class Network:
 
     def state_template(self) -> TrainState:
         """:meth:`init_state`'s structure, shapes and dtypes as host zeros, nothing computed or
-        compiled (``dlspark.checkpoint.zeros_like_output``): what a process that is sent its
+        compiled (:func:`~dlspark.checkpoint.zeros_like_output`): what a process that is sent its
         state checks it against."""
         return zeros_like_output(self._seeded_state, self.init_state)
 
