@@ -21,7 +21,6 @@ from . import losses as _losses
 from ._fit import _SYNC_EVERY, batch_signature, one_shape  # noqa: F401  (their home was here)
 from . import _stepshare
 from .data import as_dataset, load_minibatch
-from .checkpoint import UNTRACEABLE, zeros_like_output
 from .errors import NonFiniteLossError
 
 __all__ = ["Network", "TrainState", "StepUpdate", "StepResult", "Steps", "build_steps", "shared_steps",
@@ -387,10 +386,7 @@ class Network:
     def init_state(self) -> TrainState:
         """A fresh train state from the network's seed, computed as one compiled program (run
         eagerly, each of the initialisers' ops compiled on its own; the same bits either way)."""
-        try:
-            return jax.jit(self._seeded_state)()
-        except UNTRACEABLE:  # an init that reads its values on the host (np.asarray) runs as written
-            return self._seeded_state()
+        return jax.jit(self._seeded_state)()
 
     def _seeded_state(self) -> TrainState:
         p_rng, t_rng = jax.random.split(jax.random.PRNGKey(self.seed))
@@ -404,10 +400,14 @@ class Network:
                 "seed": self.seed, "on_nonfinite": self.on_nonfinite}
 
     def state_template(self) -> TrainState:
-        """:meth:`init_state`'s structure, shapes and dtypes as host zeros, nothing computed or
-        compiled (:func:`~dlspark.checkpoint.zeros_like_output`): what a process that is sent its
-        state checks it against."""
-        return zeros_like_output(self._seeded_state, self.init_state)
+        """:meth:`init_state`'s structure, shapes and dtypes as host zeros, the initialisers only
+        traced (nothing computed or compiled): what a process that is sent its state checks it
+        against. A state with JAX's extended dtypes (typed PRNG keys), which host arrays cannot
+        hold, is :meth:`init_state` itself."""
+        shapes = jax.eval_shape(self.init_state)
+        if any(jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended) for s in jax.tree_util.tree_leaves(shapes)):
+            return self.init_state()
+        return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
     @classmethod
     def from_definition(cls, definition: dict, state: TrainState | None = None, *,
