@@ -384,15 +384,17 @@ class Network:
 
     # --- construction -------------------------------------------------------
     def init_state(self) -> TrainState:
-        """A fresh train state from the network's seed, computed as one compiled program (run
-        eagerly, each of the initialisers' ops compiled on its own; the same bits either way)."""
-        return jax.jit(self._seeded_state)()
-
-    def _seeded_state(self) -> TrainState:
+        """A fresh train state from the network's seed."""
         p_rng, t_rng = jax.random.split(jax.random.PRNGKey(self.seed))
         params, mstate = self.model.init(p_rng)
-        return TrainState(params=params, model_state=mstate, opt_state=self.updater.init(params),
-                          step=jnp.zeros((), jnp.int32), epoch=jnp.zeros((), jnp.int32), rng=t_rng)
+        return TrainState(
+            params=params,
+            model_state=mstate,
+            opt_state=self.updater.init(params),
+            step=jnp.zeros((), jnp.int32),
+            epoch=jnp.zeros((), jnp.int32),
+            rng=t_rng,
+        )
 
     def definition(self) -> dict:
         """What rebuilds this network elsewhere: model, loss, updater, seed, options."""

@@ -526,28 +526,3 @@ def test_train_steps_over_stacked_minibatches_have_the_bits_of_one_step_at_a_tim
             assert bool(np.all(out.finite))
         np.testing.assert_array_equal(np.asarray(out.loss), np.asarray(losses))
         assert tree_equal(out.state, one), fused
-
-
-def test_a_fresh_state_is_one_compiled_program_with_the_bits_of_the_initialisers_run_eagerly(make_net):
-    # Run eagerly, the initialisers compile each of their ops on their own (seconds for a
-    # fresh process): the state is computed as one compiled program instead, bit for bit the same
-    import jax.monitoring
-
-    compiles = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        net = make_net(MLP(hidden=35, dropout=0.1))  # shapes no earlier test initialised
-        assert len(compiles) == 1, compiles
-        eager = net._seeded_state()
-        assert len(compiles) > 3  # the same initialisers op by op
-        assert tree_equal(net.state, eager)
-        for module in (SmallConv(), MLP(hidden=37)):
-            net = make_net(module, seed=5)
-            assert tree_equal(net.state, net._seeded_state())
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)

@@ -188,33 +188,26 @@ def test_a_state_template_has_the_initial_states_shapes_and_computes_nothing(mak
     # a definition of shapes no earlier test initialised (building a Network would initialise it)
     definition = dict(net.definition(), model=Model.from_flax(MLP(hidden=31), np.zeros((1, 64), np.float32)))
     compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    rebuilt = Network.from_definition(definition, template=True)
+    assert compiles == []
+    fresh = rebuilt.init_state()
+    assert compiles  # the listener hears compiles: the initialisers run only here
+    assert jax.tree_util.tree_structure(rebuilt.state) == jax.tree_util.tree_structure(fresh)
+    for got, want in zip(jax.tree_util.tree_leaves(rebuilt.state), jax.tree_util.tree_leaves(fresh)):
+        assert isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == want.dtype
+        assert not got.any()
+    # a fresh state and a given one are as before
+    assert tree_equal(Network.from_definition(net.definition()).state, net.state)
+    assert Network.from_definition(net.definition(), net.state).state is net.state
 
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
+    def init(rng, x):  # a model state holding a typed key, which no host array can hold
+        return {"params": {"w": jax.numpy.zeros((x.shape[-1], 2))}, "noise": jax.random.key(3)}
 
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        rebuilt = Network.from_definition(definition, template=True)
-        assert compiles == []
-        fresh = rebuilt.init_state()
-        assert compiles  # the listener hears compiles: the initialisers run only here
-        assert jax.tree_util.tree_structure(rebuilt.state) == jax.tree_util.tree_structure(fresh)
-        for got, want in zip(jax.tree_util.tree_leaves(rebuilt.state), jax.tree_util.tree_leaves(fresh)):
-            assert isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == want.dtype
-            assert not got.any()
-        # a fresh state and a given one are as before
-        assert tree_equal(Network.from_definition(net.definition()).state, net.state)
-        assert Network.from_definition(net.definition(), net.state).state is net.state
-
-        def init(rng, x):  # a model state holding a typed key, which no host array can hold
-            return {"params": {"w": jax.numpy.zeros((x.shape[-1], 2))}, "noise": jax.random.key(3)}
-
-        keyed = Network(Model(init, lambda v, x, train, rng: x @ v["params"]["w"], np.zeros((1, 3), np.float32)))
-        template = Network.from_definition(keyed.definition(), template=True).state
-        assert jax.dtypes.issubdtype(template.model_state["noise"].dtype, jax.dtypes.extended)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    keyed = Network(Model(init, lambda v, x, train, rng: x @ v["params"]["w"], np.zeros((1, 3), np.float32)))
+    template = Network.from_definition(keyed.definition(), template=True).state
+    assert jax.dtypes.issubdtype(template.model_state["noise"].dtype, jax.dtypes.extended)
 
 
 def _shared_step_sets():
