@@ -36,7 +36,7 @@ import numpy as np
 from .errors import CheckpointError
 from .io import NPY_READ_LOCK, read_bytes, write_bytes
 
-__all__ = ["save_checkpoint", "restore_checkpoint", "load_checkpoint", "read_checkpoint_meta", "state_to_bytes",
+__all__ = ["zeros_like_output", "save_checkpoint", "restore_checkpoint", "load_checkpoint", "read_checkpoint_meta", "state_to_bytes",
            "state_from_bytes", "state_to_arrays", "state_from_arrays", "read_checkpoint_aux", "fit_checkpoint_bytes", "FORMAT_VERSION"]
 
 FORMAT = "dlspark-checkpoint"
@@ -183,6 +183,21 @@ def state_from_bytes(raw: bytes, like, url: str = "<bytes>"):
     treedef = _check_leaves(url, meta["leaves"], like)
     arrays = _read_arrays(url, z, meta)
     return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in arrays])
+
+
+def zeros_like_output(make):
+    """Host zeros with the structure, shapes and dtypes of ``make()``'s result, ``make`` only
+    traced (``jax.eval_shape``: nothing computed or compiled): a template to check arrays sent
+    from elsewhere against. ``make()`` itself where host arrays cannot stand for the result
+    (JAX's extended dtypes: typed PRNG keys) or ``make`` cannot be traced (it reads values on
+    the host: ``np.asarray`` of a traced value, an ``if`` on one)."""
+    try:
+        shapes = jax.eval_shape(make)
+    except jax.errors.JAXTypeError:
+        return make()
+    if any(jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended) for s in jax.tree_util.tree_leaves(shapes)):
+        return make()
+    return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
 
 
 def state_to_arrays(state) -> dict:

@@ -21,6 +21,7 @@ from . import losses as _losses
 from ._fit import _SYNC_EVERY, batch_signature, one_shape  # noqa: F401  (their home was here)
 from . import _stepshare
 from .data import as_dataset, load_minibatch
+from .checkpoint import zeros_like_output
 from .errors import NonFiniteLossError
 
 __all__ = ["Network", "TrainState", "StepUpdate", "StepResult", "Steps", "build_steps", "shared_steps",
@@ -402,14 +403,10 @@ class Network:
                 "seed": self.seed, "on_nonfinite": self.on_nonfinite}
 
     def state_template(self) -> TrainState:
-        """:meth:`init_state`'s structure, shapes and dtypes as host zeros, the initialisers only
-        traced (nothing computed or compiled): what a process that is sent its state checks it
-        against. A state with JAX's extended dtypes (typed PRNG keys), which host arrays cannot
-        hold, is :meth:`init_state` itself."""
-        shapes = jax.eval_shape(self.init_state)
-        if any(jax.dtypes.issubdtype(s.dtype, jax.dtypes.extended) for s in jax.tree_util.tree_leaves(shapes)):
-            return self.init_state()
-        return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+        """:meth:`init_state`'s structure, shapes and dtypes as host zeros, nothing computed or
+        compiled (``dlspark.checkpoint.zeros_like_output``): what a process that is sent its
+        state checks it against."""
+        return zeros_like_output(self.init_state)
 
     @classmethod
     def from_definition(cls, definition: dict, state: TrainState | None = None, *,

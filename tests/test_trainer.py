@@ -209,6 +209,14 @@ def test_a_state_template_has_the_initial_states_shapes_and_computes_nothing(mak
     template = Network.from_definition(keyed.definition(), template=True).state
     assert jax.dtypes.issubdtype(template.model_state["noise"].dtype, jax.dtypes.extended)
 
+    def host_init(rng, x):  # reads its values on the host: it cannot be traced
+        w = np.asarray(jax.random.normal(rng, (x.shape[-1], 2)))
+        return {"w": w / np.abs(w).max()}
+
+    host = Network(Model(host_init, lambda v, x, train, rng: x @ v["w"], np.zeros((1, 3), np.float32)))
+    template = Network.from_definition(host.definition(), template=True).state
+    assert tree_equal(template.params, host.state.params)  # the initialisers' own state
+
 
 def _shared_step_sets():
     from dlspark import _stepshare
