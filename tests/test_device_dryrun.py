@@ -55,7 +55,7 @@ def test_the_dry_run_runs_every_section_but_the_gpu_readings(report):
     gpu = report["sections"]["gpu_cluster"]["result"]
     assert gpu["platform"] == "cpu" and gpu["client_backend"] == "cpu"
     assert gpu["nvidia_smi"] == {"unavailable": "nvidia-smi is not on the PATH"}  # the GPU-only reading
-    assert gpu["digits"]["test_accuracy"] > 0.5
+    assert gpu["digits"]["test_accuracy"] > 0.5 and gpu["digits"]["local"] is True  # the full run's: False
     (worker,) = gpu["worker_vs_plain"]
     assert worker["algorithm"] == "averaging" and worker["job_steps_per_s"] > 0 and worker["plain_steps_per_s"] > 0
     assert worker["efficiency"] > 0 and isinstance(worker["meets_target"], bool)

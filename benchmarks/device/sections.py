@@ -150,8 +150,9 @@ def _worker_device_memory():
 
 
 # -- gpu_cluster -------------------------------------------------------------------------------
-def digits_example(epochs: int) -> dict:
-    """``examples/train_digits.py`` as written (its ``main``), on the embedded cluster it starts."""
+def digits_example(epochs: int, local: bool = False) -> dict:
+    """``examples/train_digits.py`` as written (its ``main``), on the embedded cluster it starts
+    (or, ``local``, in this process: its ``--local``)."""
     import cloudpickle
 
     spec = importlib.util.spec_from_file_location("train_digits", os.path.join(ROOT, "examples", "train_digits.py"))
@@ -159,8 +160,8 @@ def digits_example(epochs: int) -> dict:
     sys.modules[spec.name] = module  # cloudpickle pickles by value only what is imported
     spec.loader.exec_module(module)
     cloudpickle.register_pickle_by_value(module)  # its model class travels to workers that cannot import it
-    accuracy = module.main(["--epochs", str(epochs)])
-    return {"epochs": epochs, "test_accuracy": float(accuracy)}
+    accuracy = module.main(["--epochs", str(epochs), *(["--local"] if local else [])])
+    return {"epochs": epochs, "local": local, "test_accuracy": float(accuracy)}
 
 
 def worker_vs_plain(algorithm: str, batch: int, n_rounds: int, segments: int) -> dict:
@@ -219,7 +220,7 @@ def gpu_cluster(cfg: dict, rec: Recorder) -> None:
     rec.put("gpus", list(ids))
     rec.put("client_backend", jax.default_backend())
     rec.put("nvidia_smi", nvidia_smi())
-    rec.put("digits", rec.part(digits_example, cfg["digits_epochs"], need_s=20))
+    rec.put("digits", rec.part(digits_example, cfg["digits_epochs"], cfg.get("digits_local", False), need_s=20))
     # the first comparison, then the memory readings, then the other comparisons: what a
     # budget cut leaves out is the least needed. A piece is started only if the longest so far
     # still fits.
