@@ -290,8 +290,10 @@ def test_executors_that_cannot_import_dlspark_fail_at_the_first_call(tmp_path):
         from dlspark.errors import ExecutorEnvironmentError
 
         if __name__ == "__main__":
+            # the JVM as the tests' shared context starts it (conftest.sc): its quick compiler alone
             sc = SparkContext(conf=SparkConf().setMaster("local[1]").setAppName("bare")
-                              .set("spark.ui.enabled", "false").set("spark.ui.showConsoleProgress", "false"))
+                              .set("spark.ui.enabled", "false").set("spark.ui.showConsoleProgress", "false")
+                              .set("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"))
             sc.setLogLevel("ERROR")
             net = dlspark.Network(dlspark.Model.from_flax(nn.Dense(2), np.zeros((1, 4), np.float32)))
             try:
