@@ -22,6 +22,7 @@ Under asv, :class:`TrackNetwork` measures one contender at one rate per call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -274,13 +275,46 @@ def run_torch(net, n, epochs, runs, hook, world, curve_epochs=0):
 
 CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd",
               "averaging5-no-updater", "localsgd50-bf16-outer", "sharing-sync", "sharing-async", "sharing-encoded",
-              "sharing-first", "sharing-dgc-warmup", "sharing-no-clipping", "averaging50")
+              "sharing-first", "sharing-dgc-warmup", "sharing-no-clipping", "averaging50", "sharing-dask-messages")
 #: measured by default; torch 2.13's powerSGD_hook fails a collective on gloo here ("Received data
 #: size doesn't match expected size"), so it runs only when named, as does averaging without
 #: save_updater (whose rounds carry the parameters alone) and LocalSGD (averaging50-outer's rounds
 #: with the pseudo-gradient sent in bfloat16, error feedback kept on each replica), and averaging
 #: at 50 with its defaults otherwise (updates scaled with the workers, no outer step)
 DEFAULT_CONTENDERS = CONTENDERS[:5]
+
+
+#: contenders that are another's master with worker settings of their own (dask config keys)
+CONTENDER_CONFIG = {
+    # gradient sharing with its messages through Dask's comms, not the job's own connections
+    "sharing-dask-messages": {"dlspark.sharing.direct-messages": False},
+}
+
+
+def _swap_config(settings):
+    """On a worker: set ``settings`` (dask config), returning the values they replace."""
+    import dask
+
+    import dlspark.config  # noqa: F401 - dlspark's defaults, which a worker has not read before its first job
+
+    before = {k: dask.config.get(k) for k in settings}
+    dask.config.set(settings)
+    return before
+
+
+@contextlib.contextmanager
+def _worker_config(client, name):
+    """A contender's worker settings (:data:`CONTENDER_CONFIG`) on every worker while it runs."""
+    settings = CONTENDER_CONFIG.get(name)
+    if not settings:
+        yield
+        return
+    before = client.run(_swap_config, settings)
+    try:
+        yield
+    finally:
+        for worker, values in before.items():
+            client.run(_swap_config, values, workers=[worker])
 
 
 def _master(name):
@@ -297,7 +331,7 @@ def _master(name):
                                           outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
     if name == "averaging50":
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=50)
-    if name == "sharing":
+    if name in ("sharing", "sharing-dask-messages"):
         return dlspark.GradientSharing(batch_size_per_worker=BATCH)
     if name == "sharing-sync":
         return dlspark.GradientSharing(batch_size_per_worker=BATCH, max_staleness=0)
@@ -405,7 +439,8 @@ def measure_curve(net, client, contender, rate, n, max_epochs, single):
         hook = {"ddp": "none", "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}[contender]
         curve = run_torch(net, n, 1, 1, hook, len(net.hosts), curve_epochs=max_epochs)["curve"]
     else:
-        curve = dlspark_curve(client, contender, n, max_epochs)
+        with _worker_config(client, contender):
+            curve = dlspark_curve(client, contender, n, max_epochs)
     reached = time_to_target(curve)
     return {"contender": contender, "rate": rate, "curve": curve, "to_target": reached,
             "over_own_single_process": None if not (reached and single) else single["seconds"] / reached["seconds"]}
@@ -436,7 +471,8 @@ def measure(net, client, contender, rate, n, epochs, runs, single=None):
         hook = {"ddp": "none", "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}[contender]
         r = run_torch(net, n, epochs, runs, hook, len(net.hosts))
     else:
-        r = run_dlspark(net, client, contender, n, epochs, runs)
+        with _worker_config(client, contender):
+            r = run_dlspark(net, client, contender, n, epochs, runs)
     plain_after = run_plain(n, epochs)
     plain = (plain_before + plain_after) / 2
     speeds = [r["examples"] / s for s in r["seconds"]]

@@ -293,6 +293,8 @@ def test_tls_from_dasks_config_carries_fits_evaluation_inference_and_checkpoints
         assert net.iteration == 2 * 8 and net.score(tr) < s0, type(master).__name__
         if isinstance(master, ParameterAveraging):
             assert all(s["bytes_shared"] == 0 < s["bytes_received"] for s in trainer.last_fit_stats)
+        else:  # the peers' messages stayed on the TLS comms: no connection of the job's own
+            assert sum(s["direct"] for s in trainer.last_fit_stats) == 0
     assert trainer.replica_divergence < 1e-5  # the sharing replicas, compared on the workers over TLS
     evaluation = trainer.evaluate(te)
     assert evaluation.accuracy() == pytest.approx(float((np.asarray(net.output(te.features)).argmax(-1)

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from jax.flatten_util import ravel_pytree
-from conftest import MLP, HalfMLP, accuracy, kill_at_round, slow_loader
+from conftest import MLP, HalfMLP, accuracy, kill_at_round, slow_loader, tree_equal
 
 import dlspark
 from dlspark import AdaptiveThreshold, DistributedTrainer, FixedThreshold, GradientSharing
@@ -62,6 +62,41 @@ def test_two_workers_reach_95_percent_with_a_fiftieth_of_dense_bytes(client2, ma
     # the score is tracked, round by round
     losses = [l for _, _, l in trainer.loss_history]
     assert losses[-1] < losses[0] / 5
+
+
+def _direct_messages(on):
+    """On a worker: dlspark.sharing.direct-messages set to ``on``; returns what it was."""
+    import dask
+
+    import dlspark.config
+
+    before = dlspark.config.get("sharing.direct-messages")
+    dask.config.set({"dlspark.sharing.direct-messages": on})
+    return before
+
+
+def test_messages_go_on_the_jobs_own_connections_with_the_bits_of_dasks_comms(client2, make_net, digits):
+    # The same fit twice, its peers' messages on the job's own connections (the default on a
+    # tcp:// cluster) and through Dask's comms: two workers that wait for each other's message of
+    # every step (max_staleness=0, the default) apply the same sums in the same order either way.
+    tr, _ = digits
+    data = tr[:2 * 16 * 24]  # 24 steps a worker: every message is here before its receiver's round ends
+    nets, direct = [], []
+    for on in (True, False):
+        before = client2.run(_direct_messages, on)
+        try:
+            net = _net(make_net)
+            trainer = DistributedTrainer(client2, net, _master(), progress=False)
+            trainer.fit(data, epochs=2)
+            trainer.close()
+        finally:
+            for w, value in before.items():
+                client2.run(_direct_messages, value, workers=[w])
+        nets.append(net)
+        direct.append(sum(s["direct"] for s in trainer.last_fit_stats))
+        steps = sum(s["minibatches"] for s in trainer.last_fit_stats)
+    assert steps == 2 * 2 * 24 and direct == [steps, 0]  # each worker took its peer's every message one way
+    assert tree_equal(nets[0].state.params, nets[1].state.params)
 
 
 def test_default_settings_keep_their_digits_accuracy(client2, make_net, digits):

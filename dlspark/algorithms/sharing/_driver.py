@@ -109,7 +109,8 @@ class SharingDriver(RoundDriver):
                               sparsity=sum(sparsities) / len(sparsities) if sparsities else None,
                               stale_wait=max((e["stale_wait"] for e in x.values()), default=0.0),
                               encoding_debug={w: e["debug"] for w, e in x.items() if e["debug"]},
-                              relayed=sum(e.get("relayed", 0) for e in x.values()), fetched_at_sync=self.fetched)
+                              relayed=sum(e.get("relayed", 0) for e in x.values()), fetched_at_sync=self.fetched,
+                              direct=sum(e.get("direct", 0) for e in x.values()))
 
     def _stepped(self, workers):
         """The threshold states to carry: those of the workers that sent a message in this job

@@ -69,7 +69,8 @@ class SharingFigures(RoundFigures):
     """Gradient sharing's figures of a round, on both runtimes: the bytes of the messages
     sent (each counted once per peer) against dense fp32, each worker's threshold at its
     last step, the mean sparsity sent, the longest wait for stale peers, the encoding
-    record (``encoding_debug``), messages relayed (tree mesh) and fetched at the sync.
+    record (``encoding_debug``), messages relayed (tree mesh), fetched at the sync, and taken
+    on the job's own connections (``direct``; the rest came through Dask's comms).
     The averaging figures are zero (no mean is taken)."""
 
     bytes_sent: int = 0
@@ -80,6 +81,7 @@ class SharingFigures(RoundFigures):
     encoding_debug: dict = field(default_factory=dict)
     relayed: int = 0
     fetched_at_sync: int = 0
+    direct: int = 0
     avg_time: float = 0.0
     fetch_time: float = 0.0
     bytes_received: int = 0

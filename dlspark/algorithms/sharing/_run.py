@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from distributed.protocol import to_serialize
 
+from ... import config
+from ...distributed._channel import Channel, channel_host
 from ...distributed._messages import Ack, FitReply
 from ...distributed._peers import call_peer
 from ...distributed._run import WorkerRun
@@ -25,6 +27,16 @@ class SharingRun(WorkerRun):
     def __init__(self, worker, job, spec, state, rank):
         super().__init__(worker, job, spec, state, rank)
         self.sharing = SharingState(self)
+        self.loop = worker.loop.asyncio_loop
+        # peers' messages on connections of the job's own where the cluster's comms are plain TCP
+        host = channel_host(self.address) if config.get("sharing.direct-messages") else None
+        self.channel = None if host is None else Channel(job, self.address, host, self._on_channel,
+                                                         timeout=config.get_seconds("sharing.stale-timeout"))
+
+    def close(self):
+        if self.channel is not None:
+            self.channel.close()
+        super().close()
 
     async def _push(self, sender, step, message, targets):
         payload = to_serialize(message)
@@ -35,6 +47,31 @@ class SharingRun(WorkerRun):
                                          step=step, message=payload, via=self.address, reply=False)
                                for p in targets], return_exceptions=True)
         self.stats.add("push", t0, self.stats.now(), "comms", bytes=int(message.nbytes) * len(targets), step=step)
+
+    def _send(self, sender, step, message, targets):
+        """Send ``message`` to ``targets`` from any thread: on the job's channel where a peer has a
+        working connection, through Dask (the event loop's :meth:`_push`) where not."""
+        rest = targets
+        if self.channel is not None:
+            t0 = self.stats.now()
+            payload = memoryview(np.ascontiguousarray(message, np.int32)).cast("B")
+            rest = [p for p in targets if not self.channel.send(p, sender, step, payload)]
+            if len(rest) < len(targets):
+                self.stats.add("push", t0, self.stats.now(), "comms", step=step,
+                               bytes=int(message.nbytes) * (len(targets) - len(rest)))
+        if rest:
+            asyncio.run_coroutine_threadsafe(self._push(sender, step, message, rest), self.loop)
+
+    async def _open_channels(self, targets):
+        """Connect the job's channel to every target not yet connected, on the port its run
+        names; a peer that does not answer (not set up yet, gone) stays on Dask's comms."""
+        new = [p for p in targets if not self.channel.knows(p) and channel_host(p)]
+        replies = await asyncio.gather(*[call_peer(self.worker, p, "dlspark_peer", job=self.job, request="channel")
+                                         for p in new], return_exceptions=True)
+        for p, r in zip(new, replies):
+            port = r.get("port") if isinstance(r, dict) else None
+            if port:
+                self.channel.connect(p, channel_host(p), int(port))
 
     def joiner_state(self):
         return self.sharing.for_joiner(self.state)
@@ -47,7 +84,6 @@ class SharingRun(WorkerRun):
 
     # -- orders -----------------------------------------------------------------------
     async def order_fit(self, order):
-        loop = asyncio.get_running_loop()
         me = self.address
         s = self.sharing
         peers = {p: tuple(v) for p, v in order.plan.peers.items() if p != me}
@@ -57,10 +93,13 @@ class SharingRun(WorkerRun):
         # plain mesh: straight to every peer; tree mesh: to tree neighbours, who relay
         s.links = None if links is None else [p for p in links if p != me]
         targets = list(peers) if links is None else s.links
-        s.relayed = 0
+        s.relayed = s.direct = 0
 
         def send(step, message):
-            asyncio.run_coroutine_threadsafe(self._push(me, step, message, targets), loop)
+            self._send(me, step, message, targets)
+
+        if self.channel is not None:
+            await self._open_channels(targets)
 
         def run():
             self.state = self.state.replace(epoch=jnp.asarray(order.epoch, jnp.int32))
@@ -72,7 +111,7 @@ class SharingRun(WorkerRun):
             return FitReply(loss_sum=out.pop("loss_sum"), n=out.pop("n"), examples=out.pop("examples"),
                             steps=out.pop("steps"),
                             fit_time=time.perf_counter() - t0, data_wait=self.prefetch.wait_time - wait0,
-                            extra={**out, "relayed": s.relayed})
+                            extra={**out, "relayed": s.relayed, "direct": s.direct})
 
         return await self.compute(run)
 
@@ -106,18 +145,29 @@ class SharingRun(WorkerRun):
         return Ack()
 
     # -- requests from peers ----------------------------------------------------------
-    async def peer_push(self, sender: str, step: int, message, via: str | None = None):
+    def _delivered(self, sender: str, via: str | None, step: int, message) -> None:
+        """A peer's message, from Dask's comms or the channel (any thread): kept, and on a tree
+        mesh relayed onwards, never back where it came from."""
         s = self.sharing
         t0 = self.stats.now()
-        message = np.asarray(message)
+        message = np.frombuffer(message, np.int32) if isinstance(message, bytes) else np.asarray(message)
         if s.receive(sender, step, message) and s.links:
-            # tree mesh: relay onwards, never back where it came from
             onward = [p for p in s.links if p not in (via, sender)]
             if onward:
                 s.relayed += 1
-                asyncio.ensure_future(self._push(sender, step, message, onward))
+                self._send(sender, step, message, onward)
         self.stats.add("receive", t0, self.stats.now(), "comms", bytes=int(message.nbytes), sender=sender, step=step)
+
+    def _on_channel(self, sender: str, via: str, step: int, message: bytes) -> None:
+        self.sharing.direct += 1
+        self._delivered(sender, via, step, message)
+
+    async def peer_push(self, sender: str, step: int, message, via: str | None = None):
+        self._delivered(sender, via, step, message)
         return {}
+
+    async def peer_channel(self):
+        return {"port": None if self.channel is None else self.channel.port}
 
     async def peer_get(self, keys: list):
         return {"reply": to_serialize(Messages(messages=self.sharing.get(keys)))}

@@ -1,0 +1,132 @@
+"""The job's own connections between workers (``dlspark.distributed._channel``), on real sockets."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from dlspark.distributed import _channel
+from dlspark.distributed._channel import Channel, channel_host
+
+
+class Inbox:
+    def __init__(self):
+        self.got, self.cond = [], threading.Condition()
+
+    def __call__(self, sender, via, step, payload):
+        with self.cond:
+            self.got.append((sender, via, step, bytes(payload)))
+            self.cond.notify_all()
+
+    def wait_for(self, n, timeout=10.0):
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.got) >= n, timeout), self.got
+        return self.got
+
+
+def _until(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_channel_host_is_the_host_of_a_plain_tcp_address_only():
+    assert channel_host("tcp://10.1.2.3:4567") == "10.1.2.3"
+    assert channel_host("tcp://[::1]:4567") == "::1"
+    assert channel_host("tls://10.1.2.3:4567") is None  # not encrypted: TLS clusters keep Dask's comms
+    assert channel_host("inproc://10.1.2.3/1/2") is None and channel_host("ucx://10.1.2.3:1") is None
+
+
+def test_messages_arrive_in_order_with_their_sender_step_and_bytes():
+    inbox_a, inbox_b = Inbox(), Inbox()
+    a = Channel("job-1", "tcp://127.0.0.1:1", "127.0.0.1", inbox_a, timeout=5)
+    b = Channel("job-1", "tcp://127.0.0.1:2", "127.0.0.1", inbox_b, timeout=5)
+    try:
+        assert not a.knows("b") and a.send("b", "x", 1, b"no connection") is False  # the caller sends it another way
+        a.connect("b", "127.0.0.1", b.port)
+        assert a.knows("b")
+        payloads = [bytes([i]) * (1 + 5000 * i) for i in range(4)] + [b""]
+        for step, p in enumerate(payloads, 1):
+            assert a.send("b", "tcp://127.0.0.1:1" if step % 2 else "tcp://origin:9", step, memoryview(p))
+        got = inbox_b.wait_for(len(payloads))
+        assert [(s, v, k) for s, v, k, _ in got] == [("tcp://127.0.0.1:1" if k % 2 else "tcp://origin:9",
+                                                      "tcp://127.0.0.1:1", k) for k in range(1, 6)]
+        assert [p for *_, p in got] == payloads and inbox_a.got == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_connection_from_another_job_delivers_nothing():
+    inbox = Inbox()
+    b = Channel("job-b", "tcp://127.0.0.1:2", "127.0.0.1", inbox, timeout=5)
+    a = Channel("job-a", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5)
+    c = Channel("job-b", "tcp://127.0.0.1:3", "127.0.0.1", Inbox(), timeout=5)
+    try:
+        a.connect("b", "127.0.0.1", b.port)
+        a.send("b", "tcp://127.0.0.1:1", 1, b"wrong job")
+        c.connect("b", "127.0.0.1", b.port)
+        c.send("b", "tcp://127.0.0.1:3", 7, b"right job")
+        assert inbox.wait_for(1) == [("tcp://127.0.0.1:3", "tcp://127.0.0.1:3", 7, b"right job")]
+        time.sleep(0.2)
+        assert len(inbox.got) == 1
+    finally:
+        for ch in (a, b, c):
+            ch.close()
+
+
+def test_a_peer_that_does_not_listen_breaks_the_connection_and_sends_fall_back():
+    with socket.socket() as s:  # a free port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5)
+    try:
+        a.connect("b", "127.0.0.1", port)
+        _until(lambda: not a.knows("b"))  # refused: broken
+        assert a.send("b", "tcp://127.0.0.1:1", 1, b"x") is False
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("how", ["timeout", "queue"])
+def test_a_peer_that_takes_nothing_breaks_the_connection(monkeypatch, how):
+    # a listener that accepts and never reads: a cut link as the sender sees it
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    if how == "queue":
+        monkeypatch.setattr(_channel, "QUEUE_LIMIT", 8)
+    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=0.5 if how == "timeout" else 60)
+    try:
+        a.connect("b", "127.0.0.1", server.getsockname()[1])
+        payload = b"\0" * (1 << 20)
+        sent = 0
+        end = time.monotonic() + 20
+        while a.send("b", "tcp://127.0.0.1:1", sent, payload):
+            sent += 1
+            assert time.monotonic() < end
+            if how == "timeout":
+                time.sleep(0.05)
+        assert not a.knows("b") and sent >= 1
+        if how == "queue":
+            assert sent <= 8 + 64  # what the queue held, and what the kernel's buffers took
+    finally:
+        a.close()
+        server.close()
+
+
+def test_close_ends_the_channels_threads_and_its_port():
+    inbox = Inbox()
+    before = {t.ident for t in threading.enumerate()}
+    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5)
+    b = Channel("job", "tcp://127.0.0.1:2", "127.0.0.1", inbox, timeout=5)
+    a.connect("b", "127.0.0.1", b.port)
+    a.send("b", "tcp://127.0.0.1:1", 1, b"hello")
+    inbox.wait_for(1)
+    a.close()
+    b.close()
+    _until(lambda: not [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("dlspark-channel")])
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", b.port), timeout=2).close()
+    assert a.send("b", "tcp://127.0.0.1:1", 2, b"after close") is False
