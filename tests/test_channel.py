@@ -77,15 +77,29 @@ def test_a_connection_from_another_job_delivers_nothing():
             ch.close()
 
 
+class Fallback:
+    def __init__(self):
+        self.got, self.lock = [], threading.Lock()
+
+    def __call__(self, peer, messages):
+        with self.lock:
+            self.got.extend((peer, sender, step, bytes(p)) for sender, step, p in messages)
+
+
 def test_a_peer_that_does_not_listen_breaks_the_connection_and_sends_fall_back():
     with socket.socket() as s:  # a free port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5)
+    fallback = Fallback()
+    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5, fallback=fallback)
     try:
         a.connect("b", "127.0.0.1", port)
+        queued = [k for k in range(1, 4) if a.send("b", "tcp://127.0.0.1:1", k, b"early %d" % k)]
         _until(lambda: not a.knows("b"))  # refused: broken
-        assert a.send("b", "tcp://127.0.0.1:1", 1, b"x") is False
+        assert a.send("b", "tcp://127.0.0.1:1", 9, b"x") is False  # the caller sends it another way
+        # what was queued while it connected went to the fallback, in order
+        _until(lambda: len(fallback.got) == len(queued))
+        assert fallback.got == [("b", "tcp://127.0.0.1:1", k, b"early %d" % k) for k in queued]
     finally:
         a.close()
 
@@ -97,7 +111,9 @@ def test_a_peer_that_takes_nothing_breaks_the_connection(monkeypatch, how):
     server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     if how == "queue":
         monkeypatch.setattr(_channel, "QUEUE_LIMIT", 8)
-    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=0.5 if how == "timeout" else 60)
+    fallback = Fallback()
+    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=0.5 if how == "timeout" else 60,
+                fallback=fallback)
     try:
         a.connect("b", "127.0.0.1", server.getsockname()[1])
         payload = b"\0" * (1 << 20)
@@ -111,6 +127,11 @@ def test_a_peer_that_takes_nothing_breaks_the_connection(monkeypatch, how):
         assert not a.knows("b") and sent >= 1
         if how == "queue":
             assert sent <= 8 + 64  # what the queue held, and what the kernel's buffers took
+        # the messages not written (the one being written too) went to the fallback: the last
+        # ones accepted, in order
+        _until(lambda: fallback.got)
+        steps = [step for _, _, step, _ in fallback.got]
+        assert steps == list(range(sent - len(steps), sent)), (steps, sent)
     finally:
         a.close()
         server.close()

@@ -8,11 +8,13 @@ on a port of its own beside the worker's, a sender thread per peer writes length
 messages to a connection it opened, and a reader thread per connection hands each
 message to the run. Neither path waits for the other's event loop.
 
-Delivery is best effort, as the one-way pushes through Dask are: a message on a
-connection that fails (the peer left, a link cut outlasts the socket's timeout, a queue
-that overflows) is lost, and the round's sync fetches it. A peer whose connection failed
-gets its later messages through Dask again. Only for plain ``tcp://`` clusters: the
-connections are not encrypted, so a cluster on TLS keeps its messages on Dask's comms.
+Delivery is best effort, as the one-way pushes through Dask are. A connection that fails
+(refused, a write that outlasts the timeout, more messages waiting than the peer takes)
+hands the messages it had not written, and the one it was writing, to the channel's
+``fallback`` (the run sends them through Dask; a message that arrives twice counts once),
+and the peer's later messages go that way too; a message lost all the same is fetched at
+the round's sync. Only for plain ``tcp://`` clusters: the connections are not encrypted,
+so a cluster on TLS keeps its messages on Dask's comms.
 """
 
 from __future__ import annotations
@@ -56,43 +58,61 @@ class _Sender:
         self.channel, self.peer, self.where = channel, peer, where
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
+        self.lock = threading.Lock()  # a message is queued before the break drains the queue, or refused
         self.thread = threading.Thread(target=self._run, daemon=True, name="dlspark-channel-send")
         self.thread.start()
 
-    def put(self, frame) -> bool:
-        if self.broken:
-            return False
-        if self.queue.qsize() >= QUEUE_LIMIT:  # the peer takes nothing: leave the rest to the sync
+    def put(self, message) -> bool:
+        with self.lock:
+            if not self.broken and self.queue.qsize() < QUEUE_LIMIT:
+                self.queue.put(message)
+                return True
+        if not self.broken:  # the peer takes nothing: the rest goes through Dask
             self._break(f"{QUEUE_LIMIT} messages waiting")
-            return False
-        self.queue.put(frame)
-        return True
+        return False
 
-    def _break(self, why):
-        if not self.broken:
-            self.broken = True
+    def _break(self, why, writing=None):
+        """Stop taking messages; hand ``writing`` and every message still waiting to the
+        channel's fallback (once: the thread that breaks first drains the queue)."""
+        with self.lock:
+            first, self.broken = not self.broken, True
+        if first:
             logger.info("dlspark job %s: the channel to %s failed (%s); its messages go through Dask",
                         self.channel.job, self.peer, why)
+        left = [] if writing is None else [writing]
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                left.append(item)
+        if left and self.channel.fallback is not None and not self.channel.closed:
+            self.channel.fallback(self.peer, left)
 
     def _run(self):
         timeout = self.channel.timeout
         try:
             sock = socket.create_connection(self.where, timeout=timeout)
-        except OSError as e:
+        except OSError as e:  # what was queued meanwhile goes through Dask
             self._break(e)
             return
         with sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             job, me = self.channel.job.encode(), self.channel.me.encode()
+            message = None
             try:
                 sock.sendall(_HELLO.pack(len(job), len(me)) + job + me)
                 while True:
-                    frame = self.queue.get()
-                    if frame is None or self.broken:
+                    message = self.queue.get()
+                    if message is None or self.broken:
                         return
-                    sock.sendall(frame)
+                    sender, step, payload = message
+                    name = sender.encode()
+                    sock.sendall(b"".join((_FRAME.pack(len(name), step, len(payload)), name, payload)))
+                    message = None
             except OSError as e:
-                self._break(e)
+                self._break(e, message)
 
     def close(self):
         self.broken = True
@@ -103,10 +123,12 @@ class Channel:
     """A job's direct connections on one worker: :meth:`send` to peers, ``deliver(sender, via,
     step, payload)`` called on a reader thread for each message that arrives. ``me`` is this
     worker's Dask address (the messages' ``via``), ``host`` where it listens, ``timeout`` the
-    seconds a connect or a write may take before the connection counts as failed."""
+    seconds a connect or a write may take before the connection counts as failed;
+    ``fallback(peer, [(sender, step, payload), ...])``, called on a sender thread, takes the
+    messages a failed connection did not deliver."""
 
-    def __init__(self, job: str, me: str, host: str, deliver, timeout: float):
-        self.job, self.me, self.deliver, self.timeout = job, me, deliver, timeout
+    def __init__(self, job: str, me: str, host: str, deliver, timeout: float, fallback=None):
+        self.job, self.me, self.deliver, self.timeout, self.fallback = job, me, deliver, timeout, fallback
         self._server = socket.create_server((host, 0))
         self.port = self._server.getsockname()[1]
         self._senders: dict = {}
@@ -172,10 +194,7 @@ class Channel:
         """Queue a message to ``peer``; False where there is no working connection to it (the
         caller sends it another way)."""
         s = self._senders.get(peer)
-        if s is None:
-            return False
-        name = sender.encode()
-        return s.put(b"".join((_FRAME.pack(len(name), int(step), len(payload)), name, payload)))
+        return s is not None and s.put((sender, int(step), payload))
 
     def close(self):
         with self._lock:

@@ -31,7 +31,8 @@ class SharingRun(WorkerRun):
         # peers' messages on connections of the job's own where the cluster's comms are plain TCP
         host = channel_host(self.address) if config.get("sharing.direct-messages") else None
         self.channel = None if host is None else Channel(job, self.address, host, self._on_channel,
-                                                         timeout=config.get_seconds("sharing.stale-timeout"))
+                                                         timeout=config.get_seconds("sharing.stale-timeout"),
+                                                         fallback=self._undelivered)
 
     def close(self):
         if self.channel is not None:
@@ -61,6 +62,12 @@ class SharingRun(WorkerRun):
                                bytes=int(message.nbytes) * (len(targets) - len(rest)))
         if rest:
             asyncio.run_coroutine_threadsafe(self._push(sender, step, message, rest), self.loop)
+
+    def _undelivered(self, peer, messages):
+        """What a failed connection to ``peer`` did not deliver: through Dask instead."""
+        for sender, step, payload in messages:
+            message = np.frombuffer(payload, np.int32)
+            asyncio.run_coroutine_threadsafe(self._push(sender, step, message, [peer]), self.loop)
 
     async def _open_channels(self, targets):
         """Connect the job's channel to every target not yet connected, on the port its run
@@ -98,8 +105,8 @@ class SharingRun(WorkerRun):
         def send(step, message):
             self._send(me, step, message, targets)
 
-        if self.channel is not None:
-            await self._open_channels(targets)
+        if self.channel is not None:  # a peer slow to answer gets its messages through Dask meanwhile
+            await asyncio.wait({asyncio.ensure_future(self._open_channels(targets))}, timeout=1.0)
 
         def run():
             self.state = self.state.replace(epoch=jnp.asarray(order.epoch, jnp.int32))
