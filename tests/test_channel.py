@@ -39,6 +39,22 @@ def test_channel_host_is_the_host_of_a_plain_tcp_address_only():
     assert channel_host("inproc://10.1.2.3/1/2") is None and channel_host("ucx://10.1.2.3:1") is None
 
 
+def test_a_channel_listens_on_ipv6_too():
+    inbox = Inbox()
+    try:
+        b = Channel("job", "tcp://[::1]:2", "::1", inbox, timeout=5)
+    except OSError as e:  # a host without IPv6 loopback
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5)
+    try:
+        a.connect("b", "::1", b.port)
+        a.send("b", "tcp://127.0.0.1:1", 3, b"six")
+        assert inbox.wait_for(1) == [("tcp://127.0.0.1:1", "tcp://127.0.0.1:1", 3, b"six")]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_messages_arrive_in_order_with_their_sender_step_and_bytes():
     inbox_a, inbox_b = Inbox(), Inbox()
     a = Channel("job-1", "tcp://127.0.0.1:1", "127.0.0.1", inbox_a, timeout=5)

@@ -124,12 +124,13 @@ class Channel:
     step, payload)`` called on a reader thread for each message that arrives. ``me`` is this
     worker's Dask address (the messages' ``via``), ``host`` where it listens, ``timeout`` the
     seconds a connect or a write may take before the connection counts as failed;
-    ``fallback(peer, [(sender, step, payload), ...])``, called on a sender thread, takes the
-    messages a failed connection did not deliver."""
+    ``fallback(peer, [(sender, step, payload), ...])``, called on the thread that found the
+    connection failed, takes the messages it did not deliver. Raises ``OSError`` where it
+    cannot listen on ``host``."""
 
     def __init__(self, job: str, me: str, host: str, deliver, timeout: float, fallback=None):
         self.job, self.me, self.deliver, self.timeout, self.fallback = job, me, deliver, timeout, fallback
-        self._server = socket.create_server((host, 0))
+        self._server = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port = self._server.getsockname()[1]
         self._senders: dict = {}
         self._incoming: list = []

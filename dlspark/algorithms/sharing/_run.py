@@ -30,9 +30,13 @@ class SharingRun(WorkerRun):
         self.loop = worker.loop.asyncio_loop
         # peers' messages on connections of the job's own where the cluster's comms are plain TCP
         host = channel_host(self.address) if config.get("sharing.direct-messages") else None
-        self.channel = None if host is None else Channel(job, self.address, host, self._on_channel,
-                                                         timeout=config.get_seconds("sharing.stale-timeout"),
-                                                         fallback=self._undelivered)
+        self.channel = None
+        if host is not None:
+            try:
+                self.channel = Channel(job, self.address, host, self._on_channel, fallback=self._undelivered,
+                                       timeout=config.get_seconds("sharing.stale-timeout"))
+            except OSError as e:  # cannot listen there: every message through Dask's comms
+                logger.info("dlspark job %s: no connections of its own on %s (%s)", job, host, e)
 
     def close(self):
         if self.channel is not None:
@@ -161,12 +165,14 @@ class SharingRun(WorkerRun):
         if s.receive(sender, step, message) and s.links:
             onward = [p for p in s.links if p not in (via, sender)]
             if onward:
-                s.relayed += 1
+                with s.lock:  # readers of several connections count at once
+                    s.relayed += 1
                 self._send(sender, step, message, onward)
         self.stats.add("receive", t0, self.stats.now(), "comms", bytes=int(message.nbytes), sender=sender, step=step)
 
     def _on_channel(self, sender: str, via: str, step: int, message: bytes) -> None:
-        self.sharing.direct += 1
+        with self.sharing.lock:
+            self.sharing.direct += 1
         self._delivered(sender, via, step, message)
 
     async def peer_push(self, sender: str, step: int, message, via: str | None = None):
