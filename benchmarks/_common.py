@@ -188,7 +188,7 @@ def in_cluster_steps_per_second(client, kind, batch_size, steps=150, updater="sg
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
     # A dry run in a loaded test run once found the scheduler listing no worker here, between two
-    # fits of a one-worker cluster (a worker's nanny brings it back): wait for one, not divide by none
+    # fits of a one-worker cluster (why, its log did not say): wait for one, not divide by none
     client.wait_for_workers(1, timeout=120)
     workers = sorted(client.scheduler_info()["workers"])
     futures = [client.submit(_step_loop, kind, batch_size, steps, updater, workers=[w], pure=False) for w in workers]
