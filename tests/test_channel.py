@@ -167,3 +167,50 @@ def test_close_ends_the_channels_threads_and_its_port():
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", b.port), timeout=2).close()
     assert a.send("b", "tcp://127.0.0.1:1", 2, b"after close") is False
+
+
+def _blocked_sender(fallback=None):
+    """A channel whose connection to "b" waits in a write: the listener accepts and reads nothing,
+    and more is queued than the kernel's buffers take. Returns the channel, the listener and the
+    steps queued."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=60, fallback=fallback)
+    a.connect("b", "127.0.0.1", server.getsockname()[1])
+    queued = [k for k in range(32) if a.send("b", "tcp://127.0.0.1:1", k, b"\0" * (1 << 20))]
+    assert queued == list(range(32)) and a.knows("b")
+    time.sleep(0.5)  # the sender writes until the buffers are full, and waits
+    return a, server, queued
+
+
+def test_close_ends_a_write_that_waits_on_a_peer_now_not_at_the_timeout():
+    before = {t.ident for t in threading.enumerate()}
+    a, server, _ = _blocked_sender()
+    try:
+        senders = [t for t in threading.enumerate() if t.ident not in before and t.name == "dlspark-channel-send"]
+        assert senders and senders[0].is_alive()  # waiting in its write (the timeout is 60 s)
+        t0 = time.monotonic()
+        a.close()
+        senders[0].join(timeout=10)
+        assert not senders[0].is_alive() and time.monotonic() - t0 < 5
+    finally:
+        a.close()
+        server.close()
+
+
+def test_a_connection_replaced_while_it_waits_hands_what_it_did_not_write_to_the_fallback():
+    # a peer's channel answers on another port at the next fit: the old connection's unwritten
+    # messages (the one it was writing too) go to the fallback in order, nothing is dropped
+    fallback = Fallback()
+    a, server, queued = _blocked_sender(fallback)
+    other = socket.create_server(("127.0.0.1", 0))
+    try:
+        a.connect("b", "127.0.0.1", other.getsockname()[1])
+        _until(lambda: fallback.got)
+        steps = [step for _, _, step, _ in fallback.got]
+        assert 0 < len(steps) < len(queued) and steps == queued[-len(steps):], steps
+        assert a.knows("b")  # the new connection takes the next messages
+    finally:
+        a.close()
+        server.close()
+        other.close()

@@ -99,6 +99,61 @@ def test_messages_go_on_the_jobs_own_connections_with_the_bits_of_dasks_comms(cl
     assert tree_equal(nets[0].state.params, nets[1].state.params)
 
 
+def _cut_channels_to(peer, after, dask_worker):
+    """On a worker: once a channel (a fit's) has taken ``after`` messages for ``peer``, its
+    connection's sending side is shut, so that the sender thread's next write fails as on a
+    broken link; what it had not written (the message it was writing too) goes to its fallback.
+    ``after=None`` puts the channel's own ``send`` back."""
+    import socket
+
+    from dlspark.distributed import _channel
+
+    own = _channel.__dict__.setdefault("_own_send", _channel.Channel.send)
+    if after is None:
+        _channel.Channel.send = own
+        return
+    taken = {}
+
+    def send(self, to, sender, step, payload):
+        if to == peer:
+            taken[id(self)] = taken.get(id(self), 0) + 1
+            if taken[id(self)] == after + 1:
+                self._senders[peer].sock.shutdown(socket.SHUT_WR)
+        return own(self, to, sender, step, payload)
+
+    _channel.Channel.send = send
+
+
+def test_a_connection_broken_mid_round_hands_its_messages_to_dask_and_the_next_round_connects_again(
+        client2, make_net, digits):
+    # The same fit twice (two rounds of 16 and 8 steps a worker), and in the second one worker's
+    # connection to its peer breaks after 8 messages: the messages it had not written go through
+    # Dask's comms, as do the rest of that round's, none is lost (none fetched at the sync), and
+    # the fit ends with the bits of the fit whose every message took the channel (synchronous
+    # delivery applies the same sums in the same order). The next round connects again.
+    tr, _ = digits
+    data = tr[:2 * 16 * 24]
+    runs = []
+    for cut in (False, True):
+        trainer = DistributedTrainer(client2, _net(make_net), _master(), progress=False)
+        a, b = sorted(client2.scheduler_info()["workers"])
+        if cut:
+            client2.run(_cut_channels_to, b, 8, workers=[a])
+        try:
+            trainer.fit(data)
+        finally:
+            client2.run(_cut_channels_to, b, None, workers=[a])
+        trainer.close()
+        rounds = trainer.last_fit_stats
+        assert [sorted(r["worker_steps"].values()) for r in rounds] == [[16, 16], [8, 8]]
+        assert [r["fetched_at_sync"] for r in rounds] == [0, 0]
+        runs.append((trainer.network.state.params, [r["direct"] for r in rounds]))
+    (whole, every), (broken, direct) = runs
+    assert every == [32, 16]  # each worker took its peer's every message on the channel
+    assert 16 < direct[0] <= 16 + 8 and direct[1] == 16, direct
+    assert tree_equal(whole, broken)
+
+
 def test_default_settings_keep_their_digits_accuracy(client2, make_net, digits):
     # Pins what the defaults (threshold warm-up, adaptive band) reach: the same network,
     # initial parameters and minibatches, 8 epochs, in one process and on two workers.

@@ -58,6 +58,7 @@ class _Sender:
         self.channel, self.peer, self.where = channel, peer, where
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
+        self.sock = None  # the connection, once open: close() shuts it to wake a write that waits
         self.lock = threading.Lock()  # a message is queued before the break drains the queue, or refused
         self.thread = threading.Thread(target=self._run, daemon=True, name="dlspark-channel-send")
         self.thread.start()
@@ -98,6 +99,10 @@ class _Sender:
             self._break(e)
             return
         with sock:
+            self.sock = sock
+            if self.broken:  # closed while it connected
+                self._break("closed")
+                return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             job, me = self.channel.job.encode(), self.channel.me.encode()
             message = None
@@ -105,7 +110,8 @@ class _Sender:
                 sock.sendall(_HELLO.pack(len(job), len(me)) + job + me)
                 while True:
                     message = self.queue.get()
-                    if message is None or self.broken:
+                    if message is None or self.broken:  # closed: the rest to the fallback
+                        self._break("closed", message)
                         return
                     sender, step, payload = message
                     name = sender.encode()
@@ -115,8 +121,15 @@ class _Sender:
                 self._break(e, message)
 
     def close(self):
+        """Stop: the messages not written go to the fallback (none once the channel is closed),
+        and a write waiting on a peer that reads nothing ends now rather than at the timeout."""
         self.broken = True
         self.queue.put(None)
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected any more
+                pass
 
 
 class Channel:
