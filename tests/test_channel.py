@@ -48,6 +48,7 @@ def test_a_channel_listens_on_ipv6_too():
     a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5)
     try:
         a.connect("b", "::1", b.port)
+        a.wait_open(["b"], 5)
         a.send("b", "tcp://127.0.0.1:1", 3, b"six")
         assert inbox.wait_for(1) == [("tcp://127.0.0.1:1", "tcp://127.0.0.1:1", 3, b"six")]
     finally:
@@ -60,9 +61,10 @@ def test_messages_arrive_in_order_with_their_sender_step_and_bytes():
     a = Channel("job-1", "tcp://127.0.0.1:1", "127.0.0.1", inbox_a, timeout=5)
     b = Channel("job-1", "tcp://127.0.0.1:2", "127.0.0.1", inbox_b, timeout=5)
     try:
-        assert not a.knows("b") and a.send("b", "x", 1, b"no connection") is False  # the caller sends it another way
+        assert not a.is_open("b") and a.send("b", "x", 1, b"no connection") is False  # the caller sends it another way
         a.connect("b", "127.0.0.1", b.port)
-        assert a.knows("b")
+        a.wait_open(["b"], 5)
+        assert a.is_open("b") and a.tried("b")
         payloads = [bytes([i]) * (1 + 5000 * i) for i in range(4)] + [b""]
         for step, p in enumerate(payloads, 1):
             assert a.send("b", "tcp://127.0.0.1:1" if step % 2 else "tcp://origin:9", step, memoryview(p))
@@ -82,9 +84,11 @@ def test_a_connection_from_another_job_delivers_nothing():
     c = Channel("job-b", "tcp://127.0.0.1:3", "127.0.0.1", Inbox(), timeout=5)
     try:
         a.connect("b", "127.0.0.1", b.port)
-        a.send("b", "tcp://127.0.0.1:1", 1, b"wrong job")
         c.connect("b", "127.0.0.1", b.port)
-        c.send("b", "tcp://127.0.0.1:3", 7, b"right job")
+        a.wait_open(["b"], 5)
+        c.wait_open(["b"], 5)
+        assert a.send("b", "tcp://127.0.0.1:1", 1, b"wrong job")
+        assert c.send("b", "tcp://127.0.0.1:3", 7, b"right job")
         assert inbox.wait_for(1) == [("tcp://127.0.0.1:3", "tcp://127.0.0.1:3", 7, b"right job")]
         time.sleep(0.2)
         assert len(inbox.got) == 1
@@ -102,22 +106,40 @@ class Fallback:
             self.got.extend((peer, sender, step, bytes(p)) for sender, step, p in messages)
 
 
-def test_a_peer_that_does_not_listen_breaks_the_connection_and_sends_fall_back():
-    with socket.socket() as s:  # a free port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    fallback = Fallback()
-    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5, fallback=fallback)
+@pytest.mark.parametrize("peer", ["refuses", "does not answer"])
+def test_a_connection_that_cannot_be_opened_takes_no_message_and_is_not_tried_again(peer):
+    # "does not answer": a listener whose queue is full drops the connection's SYN, as a
+    # firewall that drops what it does not let in does; connecting waits until the timeout
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    held = socket.create_connection(listener.getsockname())
+    if peer == "refuses":
+        port = listener.getsockname()[1]
+        held.close()
+        listener.close()  # nothing listens there now
+    else:
+        port = listener.getsockname()[1]
+    fallback, inbox = Fallback(), Inbox()
+    a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=1, fallback=fallback)
+    b = Channel("job", "tcp://127.0.0.1:2", "127.0.0.1", inbox, timeout=1)
     try:
         a.connect("b", "127.0.0.1", port)
-        queued = [k for k in range(1, 4) if a.send("b", "tcp://127.0.0.1:1", k, b"early %d" % k)]
-        _until(lambda: not a.knows("b"))  # refused: broken
-        assert a.send("b", "tcp://127.0.0.1:1", 9, b"x") is False  # the caller sends it another way
-        # what was queued while it connected went to the fallback, in order
-        _until(lambda: len(fallback.got) == len(queued))
-        assert fallback.got == [("b", "tcp://127.0.0.1:1", k, b"early %d" % k) for k in queued]
+        assert a.tried("b") and not a.is_open("b")
+        # while it connects the caller sends another way: no message waits on the connection
+        assert a.send("b", "tcp://127.0.0.1:1", 1, b"early") is False
+        a.wait_open(["b"], 5)
+        assert a.tried("b") and not a.is_open("b") and a.send("b", "tcp://127.0.0.1:1", 2, b"x") is False
+        first = a._senders["b"]
+        a.connect("b", "127.0.0.1", port)  # the next round asks again: not tried again at that port
+        assert a._senders["b"] is first and fallback.got == []
+        a.connect("b", "127.0.0.1", b.port)  # a port of its own elsewhere is
+        a.wait_open(["b"], 5)
+        assert a.is_open("b") and a.send("b", "tcp://127.0.0.1:1", 3, b"there")
+        assert inbox.wait_for(1) == [("tcp://127.0.0.1:1", "tcp://127.0.0.1:1", 3, b"there")]
     finally:
         a.close()
+        b.close()
+        held.close()
+        listener.close()
 
 
 @pytest.mark.parametrize("how", ["timeout", "queue"])
@@ -132,6 +154,7 @@ def test_a_peer_that_takes_nothing_breaks_the_connection(monkeypatch, how):
                 fallback=fallback)
     try:
         a.connect("b", "127.0.0.1", server.getsockname()[1])
+        a.wait_open(["b"], 5)
         payload = b"\0" * (1 << 20)
         sent = 0
         end = time.monotonic() + 20
@@ -140,7 +163,7 @@ def test_a_peer_that_takes_nothing_breaks_the_connection(monkeypatch, how):
             assert time.monotonic() < end
             if how == "timeout":
                 time.sleep(0.05)
-        assert not a.knows("b") and sent >= 1
+        assert not a.is_open("b") and not a.tried("b") and sent >= 1  # a write failed: tried again
         if how == "queue":
             assert sent <= 8 + 64  # what the queue held, and what the kernel's buffers took
         # the messages not written (the one being written too) went to the fallback: the last
@@ -159,6 +182,7 @@ def test_close_ends_the_channels_threads_and_its_port():
     a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5)
     b = Channel("job", "tcp://127.0.0.1:2", "127.0.0.1", inbox, timeout=5)
     a.connect("b", "127.0.0.1", b.port)
+    a.wait_open(["b"], 5)
     a.send("b", "tcp://127.0.0.1:1", 1, b"hello")
     inbox.wait_for(1)
     a.close()
@@ -177,8 +201,9 @@ def _blocked_sender(fallback=None):
     server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=60, fallback=fallback)
     a.connect("b", "127.0.0.1", server.getsockname()[1])
+    a.wait_open(["b"], 5)
     queued = [k for k in range(32) if a.send("b", "tcp://127.0.0.1:1", k, b"\0" * (1 << 20))]
-    assert queued == list(range(32)) and a.knows("b")
+    assert queued == list(range(32)) and a.is_open("b")
     time.sleep(0.5)  # the sender writes until the buffers are full, and waits
     return a, server, queued
 
@@ -209,7 +234,8 @@ def test_a_connection_replaced_while_it_waits_hands_what_it_did_not_write_to_the
         _until(lambda: fallback.got)
         steps = [step for _, _, step, _ in fallback.got]
         assert 0 < len(steps) < len(queued) and steps == queued[-len(steps):], steps
-        assert a.knows("b")  # the new connection takes the next messages
+        a.wait_open(["b"], 5)
+        assert a.is_open("b")  # the new connection takes the next messages
     finally:
         a.close()
         server.close()

@@ -1,6 +1,8 @@
 """Gradient sharing end to end on a real LocalCluster (worker processes)."""
 
 
+import socket
+
 import jax
 import numpy as np
 import optax
@@ -152,6 +154,58 @@ def test_a_connection_broken_mid_round_hands_its_messages_to_dask_and_the_next_r
     assert every == [32, 16]  # each worker took its peer's every message on the channel
     assert 16 < direct[0] <= 16 + 8 and direct[1] == 16, direct
     assert tree_equal(whole, broken)
+
+
+def _channel_port_is(port, dask_worker):
+    """On a worker: its runs answer ``port`` when a peer asks where their channel listens
+    (None puts the run's own answer back)."""
+    from dlspark.algorithms.sharing import _run
+
+    own = _run.__dict__.setdefault("_own_peer_channel", _run.SharingRun.peer_channel)
+    if port is None:
+        _run.SharingRun.peer_channel = own
+        return
+
+    async def peer_channel(self):
+        return {"port": port}
+
+    _run.SharingRun.peer_channel = peer_channel
+
+
+def test_a_peer_whose_channel_cannot_be_reached_gets_its_messages_through_dask_without_a_stall(
+        client2, make_net, digits):
+    # A firewall that drops what comes to a port it does not open (as a cloud security group
+    # does) leaves a connection attempt waiting until its timeout. Here one worker's channel
+    # answers at a port whose listener's queue is full, so that connecting there waits: the
+    # messages meanwhile go through Dask's comms, nothing waits for the connection, and the fit
+    # has the bits of the fit whose messages all took the channel.
+    tr, _ = digits
+    data = tr[:2 * 16 * 24]
+    blackhole = socket.create_server(("127.0.0.1", 0), backlog=0)
+    held = socket.create_connection(blackhole.getsockname())  # the queue is full: the next SYN is dropped
+    runs = []
+    try:
+        for unreachable in (False, True):
+            trainer = DistributedTrainer(client2, _net(make_net), _master(), progress=False)
+            a, b = sorted(client2.scheduler_info()["workers"])
+            if unreachable:
+                client2.run(_channel_port_is, blackhole.getsockname()[1], workers=[b])
+            try:
+                trainer.fit(data)
+            finally:
+                client2.run(_channel_port_is, None, workers=[b])
+            trainer.close()
+            rounds = trainer.last_fit_stats
+            assert [sorted(r["worker_steps"].values()) for r in rounds] == [[16, 16], [8, 8]]
+            runs.append((trainer.network.state.params, rounds))
+    finally:
+        held.close()
+        blackhole.close()
+    (whole, _), (around, rounds) = runs
+    assert [r["direct"] for r in rounds] == [16, 8]  # b's messages to a only
+    assert [r["fetched_at_sync"] for r in rounds] == [0, 0]
+    assert max(r["stale_wait"] for r in rounds) < 1.0, [r["stale_wait"] for r in rounds]
+    assert tree_equal(whole, around)
 
 
 def test_default_settings_keep_their_digits_accuracy(client2, make_net, digits):

@@ -8,12 +8,15 @@ on a port of its own beside the worker's, a sender thread per peer writes length
 messages to a connection it opened, and a reader thread per connection hands each
 message to the run. Neither path waits for the other's event loop.
 
-Delivery is best effort, as the one-way pushes through Dask are. A connection that fails
-(refused, a write that outlasts the timeout, more messages waiting than the peer takes)
-hands the messages it had not written, and the one it was writing, to the channel's
-``fallback`` (the run sends them through Dask; a message that arrives twice counts once),
-and the peer's later messages go that way too; a message lost all the same is fetched at
-the round's sync. Only for plain ``tcp://`` clusters: the connections are not encrypted,
+Delivery is best effort, as the one-way pushes through Dask are. Until a connection is open
+its peer's messages are refused (the run sends them through Dask), so that none waits on a
+connection that may never open: a firewall that drops what it does not let in leaves the
+attempt waiting until the timeout, and a connection that could not be opened is not tried
+again at that port. A connection that fails once open (a write that outlasts the timeout,
+more messages waiting than the peer takes, a reset) hands the messages it had not written,
+and the one it was writing, to the channel's ``fallback`` (the run sends them through Dask;
+a message that arrives twice counts once), and the peer's later messages go that way too; a
+message lost all the same is fetched at the round's sync. Only for plain ``tcp://`` clusters: the connections are not encrypted,
 so a cluster on TLS keeps its messages on Dask's comms.
 """
 
@@ -24,6 +27,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 
 __all__ = ["Channel", "channel_host"]
 
@@ -59,11 +63,14 @@ class _Sender:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
         self.sock = None  # the connection, once open: close() shuts it to wake a write that waits
+        self.ready = threading.Event()  # the attempt to connect ended, either way
         self.lock = threading.Lock()  # a message is queued before the break drains the queue, or refused
         self.thread = threading.Thread(target=self._run, daemon=True, name="dlspark-channel-send")
         self.thread.start()
 
     def put(self, message) -> bool:
+        if not self.ready.is_set():  # still connecting: nothing waits on a connection that may never open
+            return False
         with self.lock:
             if not self.broken and self.queue.qsize() < QUEUE_LIMIT:
                 self.queue.put(message)
@@ -95,9 +102,12 @@ class _Sender:
         timeout = self.channel.timeout
         try:
             sock = socket.create_connection(self.where, timeout=timeout)
-        except OSError as e:  # what was queued meanwhile goes through Dask
+        except OSError as e:  # refused, or no answer (a firewall that drops what it does not let in)
+            self.channel._unreachable.add((self.peer, self.where))
             self._break(e)
             return
+        finally:
+            self.ready.set()
         with sock:
             self.sock = sock
             if self.broken:  # closed while it connected
@@ -146,6 +156,7 @@ class Channel:
         self._server = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port = self._server.getsockname()[1]
         self._senders: dict = {}
+        self._unreachable: set = set()  # (peer, (host, port)) that could not be connected to: not tried again
         self._incoming: list = []
         self._lock = threading.Lock()
         self.closed = False
@@ -192,17 +203,36 @@ class Channel:
 
     # -- outgoing ---------------------------------------------------------------------
     def connect(self, peer: str, host: str, port: int) -> None:
-        """Open (on its sender thread) the connection to ``peer``'s channel at ``host:port``."""
+        """Open (on its sender thread) the connection to ``peer``'s channel at ``host:port``,
+        unless one is open or opening there, or could not be opened before. :meth:`send`
+        refuses the peer's messages until it is open."""
         with self._lock:
             old = self._senders.get(peer)
-            if not self.closed and (old is None or old.broken or old.where != (host, port)):
+            if (not self.closed and (peer, (host, port)) not in self._unreachable
+                    and (old is None or old.broken or old.where != (host, port))):
                 self._senders[peer] = _Sender(self, peer, (host, port))
                 if old is not None:
                     old.close()
 
-    def knows(self, peer: str) -> bool:
+    def wait_open(self, peers, timeout: float) -> None:
+        """Block until each connection to ``peers`` being opened is open or has failed, or
+        ``timeout`` seconds have passed."""
+        deadline = time.monotonic() + timeout
+        for peer in peers:
+            s = self._senders.get(peer)
+            if s is not None:
+                s.ready.wait(max(0.0, deadline - time.monotonic()))
+
+    def is_open(self, peer: str) -> bool:
+        """Whether messages to ``peer`` go on a connection now."""
         s = self._senders.get(peer)
-        return s is not None and not s.broken
+        return s is not None and s.ready.is_set() and not s.broken
+
+    def tried(self, peer: str) -> bool:
+        """Whether a connection to ``peer`` is open or opening, or the last one could not be
+        opened (it is not tried again): :meth:`connect` would do nothing new at its address."""
+        s = self._senders.get(peer)
+        return s is not None and (not s.broken or (peer, s.where) in self._unreachable)
 
     def send(self, peer: str, sender: str, step: int, payload: bytes | memoryview) -> bool:
         """Queue a message to ``peer``; False where there is no working connection to it (the

@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SharingRun"]
 
+#: seconds a round's start waits for new connections of the job's own to open (a few round
+#: trips on a LAN); one not open by then takes its messages once it is
+CONNECT_WAIT = 0.25
+
 
 class SharingRun(WorkerRun):
     def __init__(self, worker, job, spec, state, rank):
@@ -74,15 +78,19 @@ class SharingRun(WorkerRun):
             asyncio.run_coroutine_threadsafe(self._push(sender, step, message, [peer]), self.loop)
 
     async def _open_channels(self, targets):
-        """Connect the job's channel to every target not yet connected, on the port its run
-        names; a peer that does not answer (not set up yet, gone) stays on Dask's comms."""
-        new = [p for p in targets if not self.channel.knows(p) and channel_host(p)]
+        """Connect the job's channel to every target without a connection, on the port its run
+        names, and wait a moment (:data:`CONNECT_WAIT`) for the connections to open; a peer that
+        does not answer (not set up yet, gone) or cannot be reached on that port (a firewall) is
+        sent its messages through Dask's comms meanwhile."""
+        new = [p for p in targets if not self.channel.tried(p) and channel_host(p)]
         replies = await asyncio.gather(*[call_peer(self.worker, p, "dlspark_peer", job=self.job, request="channel")
                                          for p in new], return_exceptions=True)
         for p, r in zip(new, replies):
             port = r.get("port") if isinstance(r, dict) else None
             if port:
                 self.channel.connect(p, channel_host(p), int(port))
+        if new:
+            await asyncio.get_running_loop().run_in_executor(None, self.channel.wait_open, new, CONNECT_WAIT)
 
     def joiner_state(self):
         return self.sharing.for_joiner(self.state)
