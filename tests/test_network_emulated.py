@@ -9,6 +9,7 @@ skip, saying so; with ``DLSPARK_REQUIRE_NETNS=1`` (CI) they fail instead.
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,6 +192,29 @@ def test_wire_bytes_on_the_counters_match_what_averaging_reports(net, make_net, 
     # the whole state to each, which would be twice the state.
     assert reported + state <= sent <= 1.10 * (reported + state) + 1e6, (wire, reported, state)
     assert reported <= received <= 1.02 * reported + 0.75 * state + 2e5, (wire, reported, state)
+
+
+@pytest.mark.slow
+def test_gradient_sharing_behind_a_firewall_that_lets_in_only_dasks_ports(net, make_net, digits):
+    """A worker whose host lets in only its Dask ports (a cloud security group that opens them
+    alone drops the rest): its peer's messages to it go through Dask's comms from the start,
+    and no round waits for the connection of the job's own that cannot open."""
+    if shutil.which("nft") is None:
+        _unavailable("nft (nftables) is not installed: no firewall to put up")
+    net, client = net
+    ports = net.firewall(1)
+    try:
+        assert int(net.hosts[1].address.rsplit(":", 1)[1]) in ports
+        trainer = DistributedTrainer(client, make_net(), _master("sharing"), progress=False)
+        trainer.fit(digits[0][:2 * 16 * 24])
+    finally:
+        net.firewall(1, on=False)
+    rounds, behind = trainer.last_fit_stats, net.hosts[1].address
+    assert sum(r["minibatches"] for r in rounds) == 48 and all(r["workers"] == 2 for r in rounds)
+    # the host in front took its peer's every message on the channel, the one behind none
+    assert [r["direct"] for r in rounds] == [r["worker_steps"][behind] for r in rounds]
+    assert [r["fetched_at_sync"] for r in rounds] == [0] * len(rounds)
+    assert max(r["stale_wait"] for r in rounds) < 1.0, [r["stale_wait"] for r in rounds]
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ Everything it makes is named after a random token and torn down on exit, also
 when the body raises or the process is interrupted (a context manager and a
 ``weakref.finalize``); what a killed process left behind is removed by the
 next harness that starts (:func:`sweep_leftovers`). Needs root and iproute2
-(:func:`netns_unavailable` says why not).
+(:func:`netns_unavailable` says why not); a host's firewall
+(:meth:`EmulatedCluster.firewall`) needs nftables too.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ _PREFIX = "dls"  # every link made here: dls<token><role>; interface names are a
 _NS_PREFIX = "dlspark-net-"
 _ALIAS = "dlspark-netcluster pid="
 _BURST = 512 * 1024  # bytes a link may send at once above its rate (at least 512 kB: veth hands over 64 kB GSO frames)
+_FIREWALL = "dlspark_firewall"  # the nftables table of a host's firewall (made in its namespace, gone with it)
 
 
 def _run(*args, check=True, ns=None, timeout=30):
@@ -252,6 +254,27 @@ class EmulatedCluster:
         talk only to ports that are not). ``on=False`` lifts it."""
         for h in (self._host(a), self._host(b)):
             _run("bridge", "link", "set", "dev", h.link, "isolated", "on" if on else "off")
+
+    def firewall(self, which, on: bool = True) -> list:
+        """Let into a worker's host only new TCP connections to the ports its processes listen
+        on now (its Dask worker's, and its nanny's): the first packet of a connection to any
+        other port is dropped, as by a firewall that opens a machine's known ports alone, so
+        that connecting there waits until the connector gives up. Returns the ports let in;
+        ``on=False`` removes it. Needs nftables (``nft``)."""
+        h = self._host(which)
+        _run("nft", "delete", "table", "inet", _FIREWALL, ns=h.namespace, check=False)
+        if not on:
+            return []
+        listening = _run("ss", "-ltnH", ns=h.namespace).stdout.split("\n")
+        ports = sorted({int(line.split()[3].rsplit(":", 1)[1]) for line in listening if line.strip()})
+        if not ports:
+            raise RuntimeError(f"nothing listens on {h.name}: no port to let in")
+        _run("nft", "add", "table", "inet", _FIREWALL, ns=h.namespace)
+        _run("nft", "add", "chain", "inet", _FIREWALL, "input",
+             "{ type filter hook input priority 0; policy accept; }", ns=h.namespace)
+        _run("nft", "add", "rule", "inet", _FIREWALL, "input",
+             f"tcp flags & (syn | ack) == syn tcp dport != {{ {', '.join(map(str, ports))} }} drop", ns=h.namespace)
+        return ports
 
     def wire_bytes(self) -> dict:
         """``{host name: {"tx": bytes sent, "rx": bytes received}}``, read from each worker
