@@ -16,8 +16,9 @@ again at that port. A connection that fails once open (a write that outlasts the
 more messages waiting than the peer takes, a reset) hands the messages it had not written,
 and the one it was writing, to the channel's ``fallback`` (the run sends them through Dask;
 a message that arrives twice counts once), and the peer's later messages go that way too; a
-message lost all the same is fetched at the round's sync. Only for plain ``tcp://`` clusters: the connections are not encrypted,
-so a cluster on TLS keeps its messages on Dask's comms.
+message lost all the same is fetched at the round's sync. Only for plain ``tcp://``
+clusters: the connections are not encrypted, so a cluster on TLS keeps its messages on
+Dask's comms.
 """
 
 from __future__ import annotations
