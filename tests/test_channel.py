@@ -224,8 +224,9 @@ def test_close_ends_a_write_that_waits_on_a_peer_now_not_at_the_timeout():
 
 
 def test_a_connection_replaced_while_it_waits_hands_what_it_did_not_write_to_the_fallback():
-    # a peer's channel answers on another port at the next fit: the old connection's unwritten
-    # messages (the one it was writing too) go to the fallback in order, nothing is dropped
+    # a peer's run set up again (a retried join) answers on another port at a later round: the old
+    # connection's unwritten messages (the one it was writing too) go to the fallback in order,
+    # nothing is dropped
     fallback = Fallback()
     a, server, queued = _blocked_sender(fallback)
     other = socket.create_server(("127.0.0.1", 0))
