@@ -63,6 +63,7 @@ class _Sender:
         self.channel, self.peer, self.where = channel, peer, where
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False
+        self.unreachable = False  # the connection could not be opened: not tried again at this address
         self.sock = None  # the connection, once open: close() shuts it to wake a write that waits
         self.ready = threading.Event()  # the attempt to connect ended, either way
         self.lock = threading.Lock()  # a message is queued before the break drains the queue, or refused
@@ -104,7 +105,7 @@ class _Sender:
         try:
             sock = socket.create_connection(self.where, timeout=timeout)
         except OSError as e:  # refused, or no answer (a firewall that drops what it does not let in)
-            self.channel._unreachable.add((self.peer, self.where))
+            self.unreachable = True
             self._break(e)
             return
         finally:
@@ -157,7 +158,6 @@ class Channel:
         self._server = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port = self._server.getsockname()[1]
         self._senders: dict = {}
-        self._unreachable: set = set()  # (peer, (host, port)) that could not be connected to: not tried again
         self._incoming: list = []
         self._lock = threading.Lock()
         self.closed = False
@@ -209,8 +209,7 @@ class Channel:
         refuses the peer's messages until it is open."""
         with self._lock:
             old = self._senders.get(peer)
-            if (not self.closed and (peer, (host, port)) not in self._unreachable
-                    and (old is None or old.broken or old.where != (host, port))):
+            if not self.closed and (old is None or old.where != (host, port) or (old.broken and not old.unreachable)):
                 self._senders[peer] = _Sender(self, peer, (host, port))
                 if old is not None:
                     old.close()
@@ -233,7 +232,7 @@ class Channel:
         """Whether a connection to ``peer`` is open or opening, or the last one could not be
         opened (it is not tried again): :meth:`connect` would do nothing new at its address."""
         s = self._senders.get(peer)
-        return s is not None and (not s.broken or (peer, s.where) in self._unreachable)
+        return s is not None and (not s.broken or s.unreachable)
 
     def send(self, peer: str, sender: str, step: int, payload: bytes | memoryview) -> bool:
         """Queue a message to ``peer``; False where there is no working connection to it (the
