@@ -120,7 +120,12 @@ def test_adam_and_uneven_last_rounds_equal_averaging_by_hand(make_net, digits, s
     expected, _ = _by_hand(make_net(MLP(dropout=0.2), updater=optax.adam(2e-2)), batches, 2, 3, save_updater)
     master = ParameterAveraging(averaging_frequency=3, save_updater=save_updater)
     ParallelWrapper(net, master, CPU2, progress=False).fit(batches)
-    _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
+    # The two programs round differently (the scaled updater against the doubled rate, another
+    # fusion). Where a weight's gradient is near zero Adam divides by the root of a near-zero
+    # second moment and magnifies that rounding: on an AMD EPYC one weight of the 64 x 64 layer
+    # ends 3.6e-6 apart (the mean difference 4e-9). A round averaged wrongly moves the
+    # parameters by about the rate, 1e-2.
+    _close(net.state.params, expected.params, rtol=1e-4, atol=1e-5)
     _close(net.state.opt_state, expected.opt_state, rtol=1e-4, atol=1e-6)
     assert int(jax.tree_util.tree_leaves(net.state.opt_state)[0]) == (9 if save_updater else 3)
     assert net.iteration == len(batches)
