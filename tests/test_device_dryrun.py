@@ -117,7 +117,7 @@ def test_the_gpu_worker_is_measured_with_every_algorithm_before_a_second_minibat
 
 def test_the_lock_pins_dask_and_distributed_with_hashes():
     pins = read_lock(LOCK)
-    assert {"dask", "distributed", "tornado", "zict", "tblib", "partd", "locket"} <= set(pins)
+    assert {"dask", "distributed", "tornado", "zict", "tblib", "partd", "locket", "xxhash"} <= set(pins)
     assert pins["dask"][0] == pins["distributed"][0]  # distributed pins its own dask release
     assert all(len(hashes) >= 1 and all(len(h) == 64 for h in hashes) for _, hashes in pins.values())
 

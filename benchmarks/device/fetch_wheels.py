@@ -1,11 +1,12 @@
 """Fetch the wheels a GPU host without a package index needs: dask, distributed and their
-pure-Python needs for Python 3.12 on manylinux x86-64, as listed (versions and sha256) in
+pure-Python needs, and xxhash (dlspark's one binary need that JAX does not bring), for Python
+3.12 on manylinux x86-64, as listed (versions and sha256) in
 ``wheels.lock`` beside this file. They land in ``benchmarks/device/wheels/`` (kept out of git),
 where ``run.py`` installs them offline::
 
     python benchmarks/device/fetch_wheels.py            # fetch what wheels.lock lists, check the hashes
     python benchmarks/device/fetch_wheels.py --debs     # also iproute2's Debian packages (apt-get download)
-    python benchmarks/device/fetch_wheels.py --relock /path/to/python3.12 dask==X distributed==X
+    python benchmarks/device/fetch_wheels.py --relock /path/to/python3.12 dask==X distributed==X xxhash==X
 
 ``--relock`` resolves the closure anew with that interpreter's pip (pip evaluates the
 requirements' environment markers against the interpreter it runs in, not against

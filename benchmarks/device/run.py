@@ -172,7 +172,7 @@ def install(python: str = sys.executable, wheels: str = WHEELS, lock: str = LOCK
     out = {"before": why.strip().splitlines()[-1] if why.strip() else why, "pythonpath": None}
     out["wheels"] = [os.path.basename(p) for p in check_wheels(wheels, lock)]
     pins = read_lock(lock)
-    top = [f"{n}=={pins[n][0]}" for n in ("dask", "distributed")]
+    top = [f"{n}=={pins[n][0]}" for n in ("dask", "distributed", "xxhash")]
     t0 = time.monotonic()
     subprocess.run([python, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--no-cache-dir",
                     "--disable-pip-version-check", "-q", *top], check=True)

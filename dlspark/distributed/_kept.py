@@ -14,21 +14,24 @@ parameters) goes the same way: its arrays leave the spec the workers are set up 
 (:func:`pull_arrays`; the scheduler keeps the whole spec for workers that join mid-fit) and
 travel beside the state's, as ``carried``, thinned alike.
 
-Digests are BLAKE2b of each array's bytes with its shape and dtype: an array is taken from
-the kept state only when it is the client's bit for bit, so a fit starts from exactly the
-state it would have been sent. ``dlspark.worker.kept-states`` bounds how many states a
+Digests are XXH3's 128 bits of each array's bytes with its shape and dtype: an array is
+taken from the kept state only when it is the client's bit for bit, so a fit starts from
+exactly the state it would have been sent. Both ends digest the whole state at every fit's
+start and end, so the hash is a fast non-cryptographic one (benchmarks/bench_kept.py times
+it against a copy of the same bytes): the states compared are the client's own and the
+workers' copies of them, where 128 bits leave no chance collision. ``dlspark.worker.kept-states`` bounds how many states a
 worker keeps (host copies; 0 keeps none).
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import threading
 from dataclasses import dataclass
 
 import jax
 import numpy as np
+import xxhash
 
 from .. import config
 
@@ -74,7 +77,7 @@ def carried_arrays(carried) -> list:
 
 def _digest(a) -> bytes:
     a = np.ascontiguousarray(a)
-    h = hashlib.blake2b(f"{a.dtype.str}{a.shape}".encode(), digest_size=16)
+    h = xxhash.xxh3_128(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.data.cast("B") if a.size else b"")
     return h.digest()
 
