@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import flax.linen as nn
 import numpy as np
@@ -371,8 +372,14 @@ def test_master_settings_do_what_they_say(sc, cluster, tmp_path):
     spark_net.setListeners(Workers())
     spark_net.fitPaths(SparkUtils.listPaths(sc, out))
     assert Workers.seen and set(Workers.seen) == {1}
-    # workerPeriodicGCFrequency(1000) turned the periodic collection on: gc.collect ran on every worker
-    runs = cluster.run(lambda dask_worker: dask_worker.plugins[GC_PLUGIN].collections)
+    # workerPeriodicGCFrequency(1000) turned the periodic collection on: gc.collect runs on every
+    # worker each second (a fit can end within the first second: the first runs are waited for)
+    deadline = time.monotonic() + 10
+    while True:
+        runs = cluster.run(lambda dask_worker: dask_worker.plugins[GC_PLUGIN].collections)
+        if (len(runs) == 2 and all(n > 0 for n in runs.values())) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(runs) == 2 and all(n > 0 for n in runs.values()), runs
     too_many = SharedTrainingMaster.Builder(32).workersPerNode(3).workerTogglePeriodicGC(False).build()
     with pytest.raises(ValueError, match=r"workersPerNode\(3\) trains on 3 workers of each machine, but the Dask "
