@@ -111,7 +111,8 @@ def relock(python: str, requirements: list, lock: str = LOCK) -> None:
         subprocess.run([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", *TARGET,
                         "--target", os.path.join(tmp, "t"), "--report", report, *requirements], check=True)
         items = json.load(open(report))["install"]
-    lines = ["# dask, distributed and their needs, for Python 3.12 on manylinux x86-64: what",
+    names = ", ".join(r.split("==")[0] for r in requirements)
+    lines = [f"# {names} and their needs, for Python 3.12 on manylinux x86-64: what",
              "# benchmarks/device/run.py installs offline on a GPU host that has JAX but no package index.",
              "# Fetch: python benchmarks/device/fetch_wheels.py",
              f"# Resolved with: python benchmarks/device/fetch_wheels.py --relock PYTHON3.12 {' '.join(requirements)}"]

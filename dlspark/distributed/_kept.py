@@ -19,8 +19,9 @@ taken from the kept state only when it is the client's bit for bit, so a fit sta
 exactly the state it would have been sent. Both ends digest the whole state at every fit's
 start and end, so the hash is a fast non-cryptographic one (benchmarks/bench_kept.py times
 it against a copy of the same bytes): the states compared are the client's own and the
-workers' copies of them, where 128 bits leave no chance collision. ``dlspark.worker.kept-states`` bounds how many states a
-worker keeps (host copies; 0 keeps none).
+workers' copies of them, not an adversary's, and 128 bits put a chance collision out of
+reach. ``dlspark.worker.kept-states`` bounds how many states a worker keeps (host copies; 0
+keeps none).
 """
 
 from __future__ import annotations
