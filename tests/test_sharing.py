@@ -95,9 +95,14 @@ def test_messages_go_on_the_jobs_own_connections_with_the_bits_of_dasks_comms(cl
             for w, value in before.items():
                 client2.run(_direct_messages, value, workers=[w])
         nets.append(net)
-        direct.append(sum(s["direct"] for s in trainer.last_fit_stats))
-        steps = sum(s["minibatches"] for s in trainer.last_fit_stats)
-    assert steps == 2 * 2 * 24 and direct == [steps, 0]  # each worker took its peer's every message one way
+        direct.append([s["direct"] for s in trainer.last_fit_stats])
+        minibatches = [s["minibatches"] for s in trainer.last_fit_stats]
+    assert sum(minibatches) == 2 * 2 * 24 and len(minibatches) > 2 and sum(direct[1]) == 0
+    # Each worker took its peer's every message one way, counted in its round even where it came
+    # before the worker's own order for that round (a peer whose order came first sends at once).
+    # In the first round a worker sends through Dask until its connection is open; the round's
+    # start waits a quarter of a second for that, which a loaded machine may take.
+    assert direct[0][1:] == minibatches[1:] and 0 < direct[0][0] <= minibatches[0], (direct, minibatches)
     assert tree_equal(nets[0].state.params, nets[1].state.params)
 
 

@@ -35,6 +35,7 @@ class SharingRun(WorkerRun):
         # peers' messages on connections of the job's own where the cluster's comms are plain TCP
         host = channel_host(self.address) if config.get("sharing.direct-messages") else None
         self.channel = None
+        self._told = (0, 0)  # the counts of direct and relayed messages the last fit reply covered
         if host is not None:
             try:
                 self.channel = Channel(job, self.address, host, self._on_channel, fallback=self._undelivered,
@@ -112,7 +113,6 @@ class SharingRun(WorkerRun):
         # plain mesh: straight to every peer; tree mesh: to tree neighbours, who relay
         s.links = None if links is None else [p for p in links if p != me]
         targets = list(peers) if links is None else s.links
-        s.relayed = s.direct = 0
 
         def send(step, message):
             self._send(me, step, message, targets)
@@ -127,10 +127,13 @@ class SharingRun(WorkerRun):
             wait0 = self.prefetch.wait_time
             t0 = time.perf_counter()
             out = s.fit(self.batches(refs), peers, send)
+            with s.lock:  # since the last reply: a peer's message that came before this round's order counts here
+                direct, relayed = s.direct - self._told[0], s.relayed - self._told[1]
+                self._told = (s.direct, s.relayed)
             return FitReply(loss_sum=out.pop("loss_sum"), n=out.pop("n"), examples=out.pop("examples"),
                             steps=out.pop("steps"),
                             fit_time=time.perf_counter() - t0, data_wait=self.prefetch.wait_time - wait0,
-                            extra={**out, "relayed": s.relayed, "direct": s.direct})
+                            extra={**out, "relayed": relayed, "direct": direct})
 
         return await self.compute(run)
 

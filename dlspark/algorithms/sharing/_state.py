@@ -294,8 +294,8 @@ class SharingState:
         self.store: dict = {}  # (sender, step) -> message: everything seen this round, to serve peers that missed one
         self.reported = None  # the store's keys when this round's holdings were last reported (have)
         self.links = None  # tree mesh: this round's neighbours
-        self.relayed = 0
-        self.direct = 0  # peers' messages taken on the job's own connections this fit (SharingRun)
+        self.relayed = 0  # messages sent on to tree neighbours, since the job started
+        self.direct = 0  # peers' messages taken on the job's own connections since the job started (SharingRun)
         fns = sharing_functions(job.net)
         self.update, self.apply_flat, self.add_flat = fns.update, fns.apply_flat, fns.add_flat
 
