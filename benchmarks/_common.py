@@ -4,12 +4,18 @@ import os
 import subprocess
 import sys
 import textwrap
+import timeit
 
 import flax.linen as nn
 import numpy as np
 import optax
 
 import dlspark
+
+
+def best_of(fn, repeat=7, setup=lambda: None):
+    """The shortest of ``repeat`` timings of one call of ``fn`` (``setup`` before each, unclocked)."""
+    return min(timeit.repeat(fn, setup=setup, number=1, repeat=repeat))
 
 
 class WideMLP(nn.Module):

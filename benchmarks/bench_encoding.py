@@ -8,9 +8,14 @@ memory speed, as it does for a network of that many parameters). Print them
 with ``python benchmarks/bench_encoding.py``.
 """
 
-import timeit
+import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import best_of as _best  # noqa: E402
 
 from dlspark.algorithms.sharing import _encoding
 from dlspark.algorithms.sharing._encoding import decode, encode_scratch, threshold_encode
@@ -24,10 +29,6 @@ def _vector(sparsity, n=N):
     r = rng.normal(0, 1, n).astype(np.float32)
     t = float(np.quantile(np.abs(r), 1 - sparsity))
     return r, t
-
-
-def _best(fn, repeat=7, setup=lambda: None):
-    return min(timeit.repeat(fn, setup=setup, number=1, repeat=repeat))
 
 
 def measure(sparsity, n=N):

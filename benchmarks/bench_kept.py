@@ -14,9 +14,14 @@ a large last-level cache holds) and of 25 M parameters (300 MB, past any cache).
 """
 
 import hashlib
-import timeit
+import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import best_of as _best  # noqa: E402
 
 from dlspark.distributed._kept import digests
 
@@ -29,10 +34,6 @@ def _state(n):
     rng = np.random.default_rng(0)
     sizes = [n // 2, n // 4, n // 8, n - n // 2 - n // 4 - n // 8]
     return [rng.standard_normal(s, dtype=np.float32) for _ in range(3) for s in sizes]
-
-
-def _best(fn, repeat=7):
-    return min(timeit.repeat(fn, number=1, repeat=repeat))
 
 
 def _blake2b(arrays):
