@@ -207,6 +207,13 @@ OPTIONS = {
     # applies the exact sum of every replica's update; it tells what the algorithm's semantics
     # cost a task apart from what the threshold encoding costs it (wrapper runtime only)
     "sharing-unencoded": ("sharing", {"unencoded": True, **ENCODED}),
+    # a diagnostic, not a dlspark option: parameter averaging with each round's mean applied a
+    # round late (a replica trains on from its own state while the mean is on its way, then swaps
+    # its contribution for the mean: Overlap Local-SGD's, or eager updates', delay), so that a
+    # round's exchange could overlap the next round's steps; its accuracy before building it
+    # (wrapper runtime only)
+    "averaging-late": ("averaging", {"late_mean": True}),
+    "averaging-f50-final3-late": ("averaging", {"averaging_frequency": 50, "final_epochs": 3, "late_mean": True}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
@@ -530,9 +537,111 @@ def _unencoded():
         _device.encode_on_device_jit = saved
 
 
+def _late_round_function(net, master, exchange, fit: bool):
+    """The wrapper's round (as ``_device._round_function`` builds it) with the round's mean applied
+    a round late. The carry (the wrapper's outer-state slot) holds ``(x, m)``: the averaged leaves
+    this replica contributed to the last round and that round's mean. A round trains from the
+    replica's own state ``x`` (it did not wait for ``m``); its result ``y`` then becomes
+    ``y - x + m``: the last round's mean in place of the replica's own contribution to it, the
+    round's own progress kept. That state is this round's contribution, its mean the next carry."""
+    import jax
+    import jax.numpy as jnp
+
+    from dlspark._mesh import first, is_averaged, lead
+    from dlspark.algorithms.averaging import _device
+    from dlspark.algorithms.averaging._numerics import averaged_part, start_round
+
+    run_steps = _device._policy_step(net, master, stacked=True)
+    keep = master.save_updater
+
+    def floats(tree):
+        return [x for x in jax.tree_util.tree_leaves(tree) if is_averaged(x)]
+
+    def before(state, carry, batches, start, epoch, contributes, n):
+        st = first(state)
+        x_prev, m_prev = first(carry)
+        losses = oks = jnp.zeros((0,))
+        if fit:
+            st = start_round(st, net.updater, keep, epoch)
+            out = run_steps(st, first(batches))
+            st, losses, oks = out.state, out.loss, out.finite
+        part = averaged_part(st, keep)
+        leaves, treedef = jax.tree_util.tree_flatten(part)
+        at = [i for i, x in enumerate(leaves) if is_averaged(x)]
+        for i, xp, mp in zip(at, x_prev, m_prev, strict=True):
+            leaves[i] = (leaves[i] - xp + mp).astype(leaves[i].dtype)
+        moved = jax.tree_util.tree_unflatten(treedef, leaves)
+        st = moved if keep else moved.replace(opt_state=st.opt_state)
+        parts = exchange.mean_parts(averaged_part(st, keep), None if fit else contributes[0])
+        return (st, losses, oks, n), parts
+
+    def after(kept, sums):
+        st, losses, oks, n = kept
+        part = averaged_part(st, keep)
+        mean = exchange.mean_of(part, sums, n)
+        return lead(st), lead((floats(part), floats(mean))), losses[None], oks[None]
+
+    return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
+
+
+@contextlib.contextmanager
+def _late_mean():
+    """Within: the ParallelWrapper's parameter averaging applies each round's mean a round late
+    (the diagnostic run ``averaging-late``; see :func:`_late_round_function`), as an averaging
+    whose exchange overlaps the next round's steps would. The carry starts as the fit's initial
+    state twice (the first round's correction is nothing), and the fit ends with the last round's
+    mean, as a cluster's last round would wait for it. A replacement of pieces of the library's
+    device run for the benchmark's diagnostic alone: dlspark has no such option."""
+    import jax
+    import numpy as np
+
+    from dlspark._mesh import is_averaged
+    from dlspark.algorithms.averaging import _device
+    from dlspark.algorithms.averaging._numerics import averaged_part
+
+    run = _device.AveragingDeviceRun
+    saved = _device._round_function, run._replicate, run._round, run.fit
+    if getattr(run, "_late", False):
+        raise RuntimeError("the late mean is already in place")
+
+    def replicate(self, state, saved_rngs):
+        if self.master.outer_updater is not None:
+            raise ValueError("averaging-late takes no outer_updater: the carry holds the late mean")
+        stacked, _ = saved[1](self, state, saved_rngs)
+        own = [np.asarray(x) for x in jax.tree_util.tree_leaves(averaged_part(state, self.master.save_updater))
+               if is_averaged(x)]
+        n = len(self.exchange)
+        both = [np.stack([x] * n) for x in own]
+        return stacked, self.exchange.put((both, [x.copy() for x in both]))
+
+    def round_(self, state, outer, item, epoch):
+        state, outer, losses, oks = saved[2](self, state, outer, item, epoch)
+        self._late_carry = outer  # the last round's is not donated: the fit's end reads its mean
+        return state, outer, losses, oks
+
+    def fit(self, *args, **kwargs):
+        out = saved[3](self, *args, **kwargs)
+        _, mean = self.exchange.replica(self._late_carry)
+        leaves, treedef = jax.tree_util.tree_flatten(averaged_part(out.state, self.master.save_updater))
+        at = [i for i, x in enumerate(leaves) if is_averaged(x)]
+        for i, m in zip(at, mean, strict=True):
+            leaves[i] = jax.numpy.asarray(m)
+        ended = jax.tree_util.tree_unflatten(treedef, leaves)
+        out.state = ended if self.master.save_updater else ended.replace(opt_state=out.state.opt_state)
+        return out
+
+    _device._round_function = _late_round_function
+    run._replicate, run._round, run.fit, run._late = replicate, round_, fit, True
+    try:
+        yield
+    finally:
+        _device._round_function, run._replicate, run._round, run.fit = saved
+        run._late = False
+
+
 #: the options of the diagnostic runs in OPTIONS that replace a piece of the ParallelWrapper's
 #: step, and the context each of their fits runs within
-WRAPPER_ONLY = {"unencoded": _unencoded}
+WRAPPER_ONLY = {"unencoded": _unencoded, "late_mean": _late_mean}
 
 
 def replaced_piece(run):
@@ -573,7 +682,8 @@ def wrapper_fit(task, data, seed, run, workers):
     net, master = run_setup(task, train, seed, run, workers)
     replaced = replaced_piece(run)
     if replaced:  # a piece of the XLA encoder's step replaced for the fit (see WRAPPER_ONLY)
-        wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False, sharing_encoder="xla")
+        encoder = {"sharing_encoder": "xla"} if master.name == "sharing" else {}
+        wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False, **encoder)
         with WRAPPER_ONLY[replaced]():
             wrapper.fit(shuffled(train, seed), epochs=task.epochs)
         # every element sent whole leaves no bytes worth reporting

@@ -301,3 +301,33 @@ def test_the_whole_own_update_and_dl4js_send_the_same_bytes_and_move_the_first_r
     # moves little
     mean, mean_bytes = _one_step(task, "sharing")
     assert mean_bytes == own_bytes and 0 < (mean < 0.5 * own).mean() < 0.5
+
+
+def _averaged_params(run, rows):
+    """The parameters a two-device averaging fit of cancer's first ``rows`` rows ends with, within
+    the run's replaced piece of the step if it has one."""
+    task = bench_suite.TASKS["cancer"]
+    train, _ = task.data()
+    net, master = bench_suite.run_setup(task, train, 0, run, 2)
+    wrapper = dlspark.ParallelWrapper(net, master, devices=2, progress=False)
+    replaced = bench_suite.replaced_piece(run)
+    with bench_suite.WRAPPER_ONLY[replaced]() if replaced else contextlib.nullcontext():
+        wrapper.fit(train[:rows], epochs=1)
+    return np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)])
+
+
+def test_the_late_mean_diagnostic_moves_each_round_on_from_the_replicas_own_state(tmp_path):
+    # one round (5 minibatches a replica at frequency 5): the late mean of the fit's only round is
+    # its mean, which the fit ends with: the library's to float rounding (its correction, y - x + x
+    # with x the start, is nothing but rounding: 9.3e-10 here)
+    np.testing.assert_allclose(_averaged_params("averaging-late", 160), _averaged_params("averaging", 160),
+                               rtol=0, atol=1e-7)
+    # three rounds: each replica trains its second and third from its own state, not the mean,
+    # so the fit ends elsewhere (by up to 2.7e-3 here), though near (15 Adam steps of at most 1e-3
+    # at scale 2, each way)
+    late, library = _averaged_params("averaging-late", 480), _averaged_params("averaging", 480)
+    assert 1e-4 < np.abs(late - library).max() < 2 * 15 * 2 * 1e-3
+    # the library's round is back after the diagnostic's fit
+    assert np.array_equal(_averaged_params("averaging", 480), library)
+    with pytest.raises(SystemExit, match="averaging-late replace a piece of the ParallelWrapper's step"):
+        bench_suite.run_grid(["cancer"], [0], [2], ["averaging-late"], str(tmp_path / "s.json"))
