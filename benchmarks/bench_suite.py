@@ -213,7 +213,9 @@ OPTIONS = {
     # round's exchange could overlap the next round's steps; its accuracy before building it
     # (wrapper runtime only)
     "averaging-late": ("averaging", {"late_mean": True}),
-    "averaging-f50-final3-late": ("averaging", {"averaging_frequency": 50, "final_epochs": 3, "late_mean": True}),
+    # the same with each replica's own moves applied at once and only its peers' a round late
+    # (DiLoCo's eager updates, without an outer step): the replicas part by a round's own shares
+    "averaging-eager": ("averaging", {"eager_mean": True}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
@@ -584,14 +586,64 @@ def _late_round_function(net, master, exchange, fit: bool):
     return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
 
 
+def _eager_round_function(net, master, exchange, fit: bool):
+    """The wrapper's round with each replica's own moves applied at once and its peers' a round
+    late (DiLoCo's eager updates, without an outer optimizer). The carry holds ``(theta, own,
+    mean)``: the round's starting point, the replica's own share of the last round's move (its
+    move over the round's contributors) and the last round's mean move. A round trains from
+    ``theta`` to ``y``; with ``d = y - theta``, the next start is ``theta + d / n + (mean - own)``:
+    its own share of this round at once, the peers' shares of the last one. Every replica's
+    move is so applied once, and the replicas part by their own shares of a round only."""
+    import jax
+    import jax.numpy as jnp
+
+    from dlspark._mesh import first, is_averaged, lead
+    from dlspark.algorithms.averaging import _device
+    from dlspark.algorithms.averaging._numerics import averaged_part, start_round
+
+    run_steps = _device._policy_step(net, master, stacked=True)
+    keep = master.save_updater
+
+    def before(state, carry, batches, start, epoch, contributes, n):
+        st = first(state)
+        theta, own_prev, mean_prev = first(carry)
+        losses = oks = jnp.zeros((0,))
+        if fit:
+            st = start_round(st, net.updater, keep, epoch)
+            out = run_steps(st, first(batches))
+            st, losses, oks = out.state, out.loss, out.finite
+        ys = [x for x in jax.tree_util.tree_leaves(averaged_part(st, keep)) if is_averaged(x)]
+        moves = [y - t for y, t in zip(ys, theta, strict=True)]
+        parts = exchange.mean_parts(moves, None if fit else contributes[0])
+        return (st, theta, moves, own_prev, mean_prev, losses, oks, n), parts
+
+    def after(kept, sums):
+        st, theta, moves, own_prev, mean_prev, losses, oks, n = kept
+        own = [(d / n.astype(d.dtype)).astype(d.dtype) for d in moves]
+        mean = [(s / n.astype(s.dtype)).astype(t.dtype) for s, t in zip(sums, theta, strict=True)]
+        new = [(t + o + (mp - op)).astype(t.dtype) for t, o, mp, op in zip(theta, own, mean_prev, own_prev,
+                                                                            strict=True)]
+        leaves, treedef = jax.tree_util.tree_flatten(averaged_part(st, keep))
+        at = [i for i, x in enumerate(leaves) if is_averaged(x)]
+        for i, x in zip(at, new, strict=True):
+            leaves[i] = x
+        moved = jax.tree_util.tree_unflatten(treedef, leaves)
+        st = moved if keep else moved.replace(opt_state=st.opt_state)
+        return lead(st), lead((new, own, mean)), losses[None], oks[None]
+
+    return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
+
+
 @contextlib.contextmanager
-def _late_mean():
+def _late_mean(eager: bool = False):
     """Within: the ParallelWrapper's parameter averaging applies each round's mean a round late
     (the diagnostic run ``averaging-late``; see :func:`_late_round_function`), as an averaging
-    whose exchange overlaps the next round's steps would. The carry starts as the fit's initial
-    state twice (the first round's correction is nothing), and the fit ends with the last round's
-    mean, as a cluster's last round would wait for it. A replacement of pieces of the library's
-    device run for the benchmark's diagnostic alone: dlspark has no such option."""
+    whose exchange overlaps the next round's steps would; with ``eager``, only the peers' part of
+    it (``averaging-eager``, :func:`_eager_round_function`). The carry starts with the fit's
+    initial state (and, ``eager``, no moves): the first round's correction is nothing. The fit
+    ends with the last round's mean, as a cluster's last round would wait for it. A replacement
+    of pieces of the library's device run for the benchmark's diagnostics alone: dlspark has no
+    such option."""
     import jax
     import numpy as np
 
@@ -612,6 +664,9 @@ def _late_mean():
                if is_averaged(x)]
         n = len(self.exchange)
         both = [np.stack([x] * n) for x in own]
+        if eager:
+            return stacked, self.exchange.put((both, [np.zeros_like(x) for x in both],
+                                               [np.zeros_like(x) for x in both]))
         return stacked, self.exchange.put((both, [x.copy() for x in both]))
 
     def round_(self, state, outer, item, epoch):
@@ -621,7 +676,11 @@ def _late_mean():
 
     def fit(self, *args, **kwargs):
         out = saved[3](self, *args, **kwargs)
-        _, mean = self.exchange.replica(self._late_carry)
+        if eager:  # the peers' shares of the last round's move, which no later round brings
+            theta, own, moved = self.exchange.replica(self._late_carry)
+            mean = [t + m - o for t, o, m in zip(theta, own, moved, strict=True)]
+        else:
+            _, mean = self.exchange.replica(self._late_carry)
         leaves, treedef = jax.tree_util.tree_flatten(averaged_part(out.state, self.master.save_updater))
         at = [i for i, x in enumerate(leaves) if is_averaged(x)]
         for i, m in zip(at, mean, strict=True):
@@ -630,7 +689,7 @@ def _late_mean():
         out.state = ended if self.master.save_updater else ended.replace(opt_state=out.state.opt_state)
         return out
 
-    _device._round_function = _late_round_function
+    _device._round_function = _eager_round_function if eager else _late_round_function
     run._replicate, run._round, run.fit, run._late = replicate, round_, fit, True
     try:
         yield
@@ -641,7 +700,8 @@ def _late_mean():
 
 #: the options of the diagnostic runs in OPTIONS that replace a piece of the ParallelWrapper's
 #: step, and the context each of their fits runs within
-WRAPPER_ONLY = {"unencoded": _unencoded, "late_mean": _late_mean}
+WRAPPER_ONLY = {"unencoded": _unencoded, "late_mean": _late_mean,
+                "eager_mean": functools.partial(_late_mean, eager=True)}
 
 
 def replaced_piece(run):
