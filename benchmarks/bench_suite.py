@@ -209,9 +209,8 @@ OPTIONS = {
     "sharing-unencoded": ("sharing", {"unencoded": True, **ENCODED}),
     # a diagnostic, not a dlspark option: parameter averaging with each round's mean applied a
     # round late (a replica trains on from its own state while the mean is on its way, then swaps
-    # its contribution for the mean: Overlap Local-SGD's, or eager updates', delay), so that a
-    # round's exchange could overlap the next round's steps; its accuracy before building it
-    # (wrapper runtime only)
+    # its contribution for the mean, as Overlap Local-SGD does), so that a round's exchange could
+    # overlap the next round's steps; its accuracy before building it (wrapper runtime only)
     "averaging-late": ("averaging", {"late_mean": True}),
     # the same with each replica's own moves applied at once and only its peers' a round late
     # (DiLoCo's eager updates, without an outer step): the replicas part by a round's own shares
@@ -590,7 +589,7 @@ def _eager_round_function(net, master, exchange, fit: bool):
     """The wrapper's round with each replica's own moves applied at once and its peers' a round
     late (DiLoCo's eager updates, without an outer optimizer). The carry holds ``(theta, own,
     mean)``: the round's starting point, the replica's own share of the last round's move (its
-    move over the round's contributors) and the last round's mean move. A round trains from
+    move divided by the round's contributors) and the last round's mean move. A round trains from
     ``theta`` to ``y``; with ``d = y - theta``, the next start is ``theta + d / n + (mean - own)``:
     its own share of this round at once, the peers' shares of the last one. Every replica's
     move is so applied once, and the replicas part by their own shares of a round only."""
@@ -641,8 +640,9 @@ def _late_mean(eager: bool = False):
     whose exchange overlaps the next round's steps would; with ``eager``, only the peers' part of
     it (``averaging-eager``, :func:`_eager_round_function`). The carry starts with the fit's
     initial state (and, ``eager``, no moves): the first round's correction is nothing. The fit
-    ends with the last round's mean, as a cluster's last round would wait for it. A replacement
-    of pieces of the library's device run for the benchmark's diagnostics alone: dlspark has no
+    ends with the last round's mean, as a cluster's last round would wait for it (a checkpoint
+    within the fit would hold replica 0's own state: the suite writes none). A replacement of
+    pieces of the library's device run for the benchmark's diagnostics alone: dlspark has no
     such option."""
     import jax
     import numpy as np
@@ -658,7 +658,7 @@ def _late_mean(eager: bool = False):
 
     def replicate(self, state, saved_rngs):
         if self.master.outer_updater is not None:
-            raise ValueError("averaging-late takes no outer_updater: the carry holds the late mean")
+            raise ValueError("the late mean's diagnostics take no outer_updater: its slot holds their carry")
         stacked, _ = saved[1](self, state, saved_rngs)
         own = [np.asarray(x) for x in jax.tree_util.tree_leaves(averaged_part(state, self.master.save_updater))
                if is_averaged(x)]
@@ -741,7 +741,7 @@ def wrapper_fit(task, data, seed, run, workers):
     train, test = data
     net, master = run_setup(task, train, seed, run, workers)
     replaced = replaced_piece(run)
-    if replaced:  # a piece of the XLA encoder's step replaced for the fit (see WRAPPER_ONLY)
+    if replaced:  # a piece of the wrapper's step replaced for the fit (see WRAPPER_ONLY)
         encoder = {"sharing_encoder": "xla"} if master.name == "sharing" else {}
         wrapper = dlspark.ParallelWrapper(net, master, devices=workers, progress=False, **encoder)
         with WRAPPER_ONLY[replaced]():
