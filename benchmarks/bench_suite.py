@@ -215,6 +215,8 @@ OPTIONS = {
     # the same with each replica's own moves applied at once and only its peers' a round late
     # (DiLoCo's eager updates, without an outer step): the replicas part by a round's own shares
     "averaging-eager": ("averaging", {"eager_mean": True}),
+    # the same with only the parameters' peer shares late, Adam's moments averaged at once
+    "averaging-eager-params": ("averaging", {"eager_params_mean": True}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
@@ -585,14 +587,16 @@ def _late_round_function(net, master, exchange, fit: bool):
     return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
 
 
-def _eager_round_function(net, master, exchange, fit: bool):
+def _eager_round_function(net, master, exchange, fit: bool, lag_updater: bool = True):
     """The wrapper's round with each replica's own moves applied at once and its peers' a round
     late (DiLoCo's eager updates, without an outer optimizer). The carry holds ``(theta, own,
     mean)``: the round's starting point, the replica's own share of the last round's move (its
     move divided by the round's contributors) and the last round's mean move. A round trains from
     ``theta`` to ``y``; with ``d = y - theta``, the next start is ``theta + d / n + (mean - own)``:
     its own share of this round at once, the peers' shares of the last one. Every replica's
-    move is so applied once, and the replicas part by their own shares of a round only."""
+    move is so applied once, and the replicas part by their own shares of a round only. Without
+    ``lag_updater`` only the parameters take that delay: the updater's averaged leaves (Adam's
+    moments) become the round's mean at once, ``theta + mean(d)``, as the defaults'."""
     import jax
     import jax.numpy as jnp
 
@@ -611,7 +615,8 @@ def _eager_round_function(net, master, exchange, fit: bool):
             st = start_round(st, net.updater, keep, epoch)
             out = run_steps(st, first(batches))
             st, losses, oks = out.state, out.loss, out.finite
-        ys = [x for x in jax.tree_util.tree_leaves(averaged_part(st, keep)) if is_averaged(x)]
+        part = averaged_part(st, keep)
+        ys = [x for x in jax.tree_util.tree_leaves(part) if is_averaged(x)]
         moves = [y - t for y, t in zip(ys, theta, strict=True)]
         parts = exchange.mean_parts(moves, None if fit else contributes[0])
         return (st, theta, moves, own_prev, mean_prev, losses, oks, n), parts
@@ -622,6 +627,15 @@ def _eager_round_function(net, master, exchange, fit: bool):
         mean = [(s / n.astype(s.dtype)).astype(t.dtype) for s, t in zip(sums, theta, strict=True)]
         new = [(t + o + (mp - op)).astype(t.dtype) for t, o, mp, op in zip(theta, own, mean_prev, own_prev,
                                                                             strict=True)]
+        if not lag_updater:  # the parameters' leaves lag; the others take the round's mean now
+            part = averaged_part(st, keep)
+            marks = jax.tree_util.tree_map(lambda x: False, part)
+            marks = marks.replace(params=jax.tree_util.tree_map(lambda x: True, part.params))
+            lags = [m for x, m in zip(jax.tree_util.tree_leaves(part), jax.tree_util.tree_leaves(marks),
+                                      strict=True) if is_averaged(x)]
+            new = [x if lag else (t + m).astype(t.dtype) for x, lag, t, m in zip(new, lags, theta, mean, strict=True)]
+            own = [o if lag else jnp.zeros_like(o) for o, lag in zip(own, lags, strict=True)]
+            mean = [m if lag else jnp.zeros_like(m) for m, lag in zip(mean, lags, strict=True)]
         leaves, treedef = jax.tree_util.tree_flatten(averaged_part(st, keep))
         at = [i for i, x in enumerate(leaves) if is_averaged(x)]
         for i, x in zip(at, new, strict=True):
@@ -634,11 +648,12 @@ def _eager_round_function(net, master, exchange, fit: bool):
 
 
 @contextlib.contextmanager
-def _late_mean(eager: bool = False):
+def _late_mean(eager: bool | str = False):
     """Within: the ParallelWrapper's parameter averaging applies each round's mean a round late
     (the diagnostic run ``averaging-late``; see :func:`_late_round_function`), as an averaging
     whose exchange overlaps the next round's steps would; with ``eager``, only the peers' part of
-    it (``averaging-eager``, :func:`_eager_round_function`). The carry starts with the fit's
+    it (``averaging-eager``, :func:`_eager_round_function`; ``eager="params"``, of the parameters
+    alone, ``averaging-eager-params``). The carry starts with the fit's
     initial state (and, ``eager``, no moves): the first round's correction is nothing. The fit
     ends with the last round's mean, as a cluster's last round would wait for it (a checkpoint
     within the fit would hold replica 0's own state: the suite writes none). A replacement of
@@ -689,7 +704,8 @@ def _late_mean(eager: bool = False):
         out.state = ended if self.master.save_updater else ended.replace(opt_state=out.state.opt_state)
         return out
 
-    _device._round_function = _eager_round_function if eager else _late_round_function
+    _device._round_function = (functools.partial(_eager_round_function, lag_updater=eager != "params") if eager
+                               else _late_round_function)
     run._replicate, run._round, run.fit, run._late = replicate, round_, fit, True
     try:
         yield
@@ -701,7 +717,8 @@ def _late_mean(eager: bool = False):
 #: the options of the diagnostic runs in OPTIONS that replace a piece of the ParallelWrapper's
 #: step, and the context each of their fits runs within
 WRAPPER_ONLY = {"unencoded": _unencoded, "late_mean": _late_mean,
-                "eager_mean": functools.partial(_late_mean, eager=True)}
+                "eager_mean": functools.partial(_late_mean, eager=True),
+                "eager_params_mean": functools.partial(_late_mean, eager="params")}
 
 
 def replaced_piece(run):
