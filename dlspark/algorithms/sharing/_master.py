@@ -75,9 +75,11 @@ class GradientSharing(Algorithm):
     tree_fanout : int
         Children per node of the relay tree.
     steps_per_round : int
-        Minibatches handed to each worker at a time. There is no barrier
-        between steps; at the end of each such round the replicas confirm
-        they applied the same messages (and lost or joining workers are handled).
+        Minibatches handed to each worker at a time. No call to the coordinator
+        comes between a round's steps (a step waits only for its peers' messages,
+        as ``max_staleness`` says); at the end of each such round the replicas
+        confirm they applied the same messages (and lost or joining workers are
+        handled).
     max_staleness : int
         How many steps a worker may run ahead of the slowest live peer. ``0`` (the
         default) is synchronous delivery: at the end of each step a worker waits for
