@@ -540,6 +540,45 @@ def _unencoded():
         _device.encode_on_device_jit = saved
 
 
+def _round_pieces(net, master, fit: bool):
+    """What both late-mean diagnostics' rounds share: ``fitted(state, batches, epoch)``, one
+    replica's round before its mean (started and stepped through ``batches`` when ``fit``,
+    else as it came: a wrapper's irregular or step-by-step round has stepped already), giving
+    ``(state, losses, applied)``; ``floats(state)``, the floating leaves a mean takes; and
+    ``with_floats(state, values)``, the state with those leaves replaced."""
+    import jax
+    import jax.numpy as jnp
+
+    from dlspark._mesh import first, is_averaged
+    from dlspark.algorithms.averaging import _device
+    from dlspark.algorithms.averaging._numerics import averaged_part, start_round
+
+    run_steps = _device._policy_step(net, master, stacked=True)
+    keep = master.save_updater
+
+    def fitted(state, batches, epoch):
+        st = first(state)
+        losses = oks = jnp.zeros((0,))
+        if fit:
+            st = start_round(st, net.updater, keep, epoch)
+            out = run_steps(st, first(batches))
+            st, losses, oks = out.state, out.loss, out.finite
+        return st, losses, oks
+
+    def floats(st):
+        return [x for x in jax.tree_util.tree_leaves(averaged_part(st, keep)) if is_averaged(x)]
+
+    def with_floats(st, values):
+        leaves, treedef = jax.tree_util.tree_flatten(averaged_part(st, keep))
+        at = [i for i, x in enumerate(leaves) if is_averaged(x)]
+        for i, x in zip(at, values, strict=True):
+            leaves[i] = x.astype(leaves[i].dtype)
+        moved = jax.tree_util.tree_unflatten(treedef, leaves)
+        return moved if keep else moved.replace(opt_state=st.opt_state)
+
+    return fitted, floats, with_floats
+
+
 def _late_round_function(net, master, exchange, fit: bool):
     """The wrapper's round (as ``_device._round_function`` builds it) with the round's mean applied
     a round late. The carry (the wrapper's outer-state slot) holds ``(x, m)``: the averaged leaves
@@ -547,42 +586,23 @@ def _late_round_function(net, master, exchange, fit: bool):
     replica's own state ``x`` (it did not wait for ``m``); its result ``y`` then becomes
     ``y - x + m``: the last round's mean in place of the replica's own contribution to it, the
     round's own progress kept. That state is this round's contribution, its mean the next carry."""
-    import jax
-    import jax.numpy as jnp
+    from dlspark._mesh import first, lead
+    from dlspark.algorithms.averaging._numerics import averaged_part
 
-    from dlspark._mesh import first, is_averaged, lead
-    from dlspark.algorithms.averaging import _device
-    from dlspark.algorithms.averaging._numerics import averaged_part, start_round
-
-    run_steps = _device._policy_step(net, master, stacked=True)
+    fitted, floats, with_floats = _round_pieces(net, master, fit)
     keep = master.save_updater
 
-    def floats(tree):
-        return [x for x in jax.tree_util.tree_leaves(tree) if is_averaged(x)]
-
     def before(state, carry, batches, start, epoch, contributes, n):
-        st = first(state)
+        st, losses, oks = fitted(state, batches, epoch)
         x_prev, m_prev = first(carry)
-        losses = oks = jnp.zeros((0,))
-        if fit:
-            st = start_round(st, net.updater, keep, epoch)
-            out = run_steps(st, first(batches))
-            st, losses, oks = out.state, out.loss, out.finite
-        part = averaged_part(st, keep)
-        leaves, treedef = jax.tree_util.tree_flatten(part)
-        at = [i for i, x in enumerate(leaves) if is_averaged(x)]
-        for i, xp, mp in zip(at, x_prev, m_prev, strict=True):
-            leaves[i] = (leaves[i] - xp + mp).astype(leaves[i].dtype)
-        moved = jax.tree_util.tree_unflatten(treedef, leaves)
-        st = moved if keep else moved.replace(opt_state=st.opt_state)
+        st = with_floats(st, [y - xp + mp for y, xp, mp in zip(floats(st), x_prev, m_prev, strict=True)])
         parts = exchange.mean_parts(averaged_part(st, keep), None if fit else contributes[0])
         return (st, losses, oks, n), parts
 
     def after(kept, sums):
         st, losses, oks, n = kept
-        part = averaged_part(st, keep)
-        mean = exchange.mean_of(part, sums, n)
-        return lead(st), lead((floats(part), floats(mean))), losses[None], oks[None]
+        mean = exchange.mean_of(averaged_part(st, keep), sums, n)
+        return lead(st), lead((floats(st), floats(mean))), losses[None], oks[None]
 
     return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
 
@@ -601,23 +621,15 @@ def _eager_round_function(net, master, exchange, fit: bool, lag_updater: bool = 
     import jax.numpy as jnp
 
     from dlspark._mesh import first, is_averaged, lead
-    from dlspark.algorithms.averaging import _device
-    from dlspark.algorithms.averaging._numerics import averaged_part, start_round
+    from dlspark.algorithms.averaging._numerics import averaged_part
 
-    run_steps = _device._policy_step(net, master, stacked=True)
+    fitted, floats, with_floats = _round_pieces(net, master, fit)
     keep = master.save_updater
 
     def before(state, carry, batches, start, epoch, contributes, n):
-        st = first(state)
+        st, losses, oks = fitted(state, batches, epoch)
         theta, own_prev, mean_prev = first(carry)
-        losses = oks = jnp.zeros((0,))
-        if fit:
-            st = start_round(st, net.updater, keep, epoch)
-            out = run_steps(st, first(batches))
-            st, losses, oks = out.state, out.loss, out.finite
-        part = averaged_part(st, keep)
-        ys = [x for x in jax.tree_util.tree_leaves(part) if is_averaged(x)]
-        moves = [y - t for y, t in zip(ys, theta, strict=True)]
+        moves = [y - t for y, t in zip(floats(st), theta, strict=True)]
         parts = exchange.mean_parts(moves, None if fit else contributes[0])
         return (st, theta, moves, own_prev, mean_prev, losses, oks, n), parts
 
@@ -636,13 +648,7 @@ def _eager_round_function(net, master, exchange, fit: bool, lag_updater: bool = 
             new = [x if lag else (t + m).astype(t.dtype) for x, lag, t, m in zip(new, lags, theta, mean, strict=True)]
             own = [o if lag else jnp.zeros_like(o) for o, lag in zip(own, lags, strict=True)]
             mean = [m if lag else jnp.zeros_like(m) for m, lag in zip(mean, lags, strict=True)]
-        leaves, treedef = jax.tree_util.tree_flatten(averaged_part(st, keep))
-        at = [i for i, x in enumerate(leaves) if is_averaged(x)]
-        for i, x in zip(at, new, strict=True):
-            leaves[i] = x
-        moved = jax.tree_util.tree_unflatten(treedef, leaves)
-        st = moved if keep else moved.replace(opt_state=st.opt_state)
-        return lead(st), lead((new, own, mean)), losses[None], oks[None]
+        return lead(with_floats(st, new)), lead((new, own, mean)), losses[None], oks[None]
 
     return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
 
