@@ -360,6 +360,8 @@ def _master(name):
 
 
 def run_dlspark(net, client, name, n, epochs, runs):
+    """Contender ``name`` on the emulated cluster ``net``: ``runs`` timed fits after a warm one,
+    their seconds, wire and reported bytes (medians) and each fit's round statistics."""
     import optax
 
     import dlspark
@@ -370,7 +372,7 @@ def run_dlspark(net, client, name, n, epochs, runs):
     trainer = dlspark.DistributedTrainer(client, model, _master(name), progress=False)
     try:
         trainer.fit(data, epochs=epochs)  # warm: compiles, exports
-        seconds, wire, received, reported, busiest = [], [], [], [], []
+        seconds, wire, received, reported, busiest, rounds = [], [], [], [], [], []
         for _ in range(runs):
             before = net.wire_bytes()
             t0 = time.perf_counter()
@@ -382,10 +384,11 @@ def run_dlspark(net, client, name, n, epochs, runs):
             received.append(sum(d[h.name]["rx"] for h in net.hosts) / len(net.hosts))
             reported.append(sum(s.get("bytes_sent", 0) + s.get("bytes_received", 0)
                                 for s in trainer.last_fit_stats) / len(net.hosts))
+            rounds.append(trainer.last_fit_stats)
         trained = sum(s["minibatches"] for s in trainer.last_fit_stats)
         return {"seconds": seconds, "examples": trained * BATCH, "wire_tx_per_worker": statistics.median(wire),
                 "wire_rx_per_worker": statistics.median(received), "reported_per_worker": statistics.median(reported),
-                "wire_tx_busiest": statistics.median(busiest)}
+                "wire_tx_busiest": statistics.median(busiest), "round_stats": rounds}
     finally:
         trainer.close()
 

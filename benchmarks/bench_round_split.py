@@ -25,9 +25,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+import bench_network as bn  # noqa: E402
 
 
 def split(stats, seconds):
@@ -40,22 +41,22 @@ def split(stats, seconds):
             "hidden_at_most_s": hidden, "bound_fit_s": seconds - hidden}
 
 
-def _spread(values, fmt):
-    values = sorted(values)
-    return f"{fmt(values[len(values) // 2])} ({fmt(values[0])}-{fmt(values[-1])})"
+def _seconds(values):
+    s = bn._spread(values)
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
 
-def document(results, a, load):
+def document(results, load):
     """The splits in ``docs/_data``'s shape: one table row per rate (medians, min-max), and the fits."""
     import platform
 
     rows = []
     for rate, fits in results.items():
-        def col(k, fmt="{:.2f}".format, fits=fits):
-            return _spread([f[k] for f in fits], fmt)
+        def col(k, fits=fits):
+            return [f[k] for f in fits]
 
-        rows.append([rate, len(fits), col("fit_s"), col("steps_s"), col("mean_s"), col("hidden_at_most_s"),
-                     col("over_plain", "{:.2f}x".format), col("bound_over_plain", "{:.2f}x".format)])
+        rows.append([rate, len(fits), *(_seconds(col(k)) for k in ("fit_s", "steps_s", "mean_s", "hidden_at_most_s")),
+                     bn._ratio(bn._spread(col("over_plain"))), bn._ratio(bn._spread(col("bound_over_plain")))])
     return {"suite": "averaging's rounds split",
             "command": "python " + " ".join([os.path.relpath(__file__), *sys.argv[1:]]),
             "machine": f"{os.cpu_count()} cores ({platform.machine()}), Python {platform.python_version()}; "
@@ -69,28 +70,6 @@ def document(results, a, load):
             "results": results}
 
 
-def measure(address, examples, epochs, runs):
-    """``runs`` timed fits' splits on the cluster at ``address``, after a warm fit."""
-    import bench_network as bn
-    import optax
-    from distributed import Client
-
-    import dlspark
-
-    x, y = bn._data(examples)
-    data = dlspark.DataSet(x, y)
-    with Client(address) as client:
-        net = dlspark.Network(dlspark.Model.from_flax(bn._flax_mlp(), x[:1]), updater=optax.adam(bn.LR))
-        with dlspark.DistributedTrainer(client, net, bn._master("averaging5"), progress=False) as trainer:
-            trainer.fit(data, epochs=epochs)  # warm: compiles, exports
-            out = []
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                trainer.fit(data, epochs=epochs)
-                out.append(split(trainer.last_fit_stats, time.perf_counter() - t0))
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="+", default=["unlimited", "1gbit"])
@@ -101,29 +80,31 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.runs < 1:
         p.error(f"--runs must be at least 1, got {a.runs}")
-    import bench_network as bn
+    from distributed import Client
 
     from dlspark.testing import emulated_cluster
 
     results = {}
     for rate in a.rates:
         before = bn.run_plain(a.examples, a.epochs)
-        with emulated_cluster(2, rate=rate, env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}) as net:
-            fits = measure(net.scheduler_address, a.examples, a.epochs, a.runs)
+        with emulated_cluster(2, rate=rate, env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}) as net, \
+                Client(net.scheduler_address) as client:
+            r = bn.run_dlspark(net, client, "averaging5", a.examples, a.epochs, a.runs)  # after a warm fit
         plain = (before + bn.run_plain(a.examples, a.epochs)) / 2  # examples/s
-        trained = a.examples * a.epochs
+        fits = [split(stats, seconds) for stats, seconds in zip(r["round_stats"], r["seconds"], strict=True)]
         for f in fits:
-            f.update(plain_examples_per_s=plain, over_plain=trained / f["fit_s"] / plain,
-                     bound_over_plain=trained / f["bound_fit_s"] / plain)
+            f.update(plain_examples_per_s=plain, over_plain=r["examples"] / f["fit_s"] / plain,
+                     bound_over_plain=r["examples"] / f["bound_fit_s"] / plain)
         results[rate] = fits
-        for f in results[rate]:
+        for f in fits:
             print(rate, " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in f.items()),
                   flush=True)
     if a.out:
         tmp = a.out + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(document(results, a, os.getloadavg()), f, indent=1)
+            json.dump(document(results, os.getloadavg()), f, indent=1)
         os.replace(tmp, a.out)
+
 
 if __name__ == "__main__":
     main()

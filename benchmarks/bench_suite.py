@@ -540,18 +540,43 @@ def _unencoded():
         _device.encode_on_device_jit = saved
 
 
+def _floats(st, keep: bool) -> list:
+    """The floating leaves a mean takes of ``st`` (``averaged_part(st, keep)``'s), in order."""
+    import jax
+
+    from dlspark._mesh import is_averaged
+    from dlspark.algorithms.averaging._numerics import averaged_part
+
+    return [x for x in jax.tree_util.tree_leaves(averaged_part(st, keep)) if is_averaged(x)]
+
+
+def _with_floats(st, values, keep: bool):
+    """``st`` with the floating leaves a mean takes (``averaged_part(st, keep)``'s) replaced by
+    ``values``, each in its leaf's dtype."""
+    import jax
+
+    from dlspark._mesh import is_averaged
+    from dlspark.algorithms.averaging._numerics import averaged_part
+
+    leaves, treedef = jax.tree_util.tree_flatten(averaged_part(st, keep))
+    at = [i for i, x in enumerate(leaves) if is_averaged(x)]
+    for i, x in zip(at, values, strict=True):
+        leaves[i] = x.astype(leaves[i].dtype)
+    moved = jax.tree_util.tree_unflatten(treedef, leaves)
+    return moved if keep else moved.replace(opt_state=st.opt_state)
+
+
 def _round_pieces(net, master, fit: bool):
     """What both late-mean diagnostics' rounds share: ``fitted(state, batches, epoch)``, one
     replica's round before its mean (started and stepped through ``batches`` when ``fit``,
     else as it came: a wrapper's irregular or step-by-step round has stepped already), giving
     ``(state, losses, applied)``; ``floats(state)``, the floating leaves a mean takes; and
     ``with_floats(state, values)``, the state with those leaves replaced."""
-    import jax
     import jax.numpy as jnp
 
-    from dlspark._mesh import first, is_averaged
+    from dlspark._mesh import first
     from dlspark.algorithms.averaging import _device
-    from dlspark.algorithms.averaging._numerics import averaged_part, start_round
+    from dlspark.algorithms.averaging._numerics import start_round
 
     run_steps = _device._policy_step(net, master, stacked=True)
     keep = master.save_updater
@@ -565,18 +590,7 @@ def _round_pieces(net, master, fit: bool):
             st, losses, oks = out.state, out.loss, out.finite
         return st, losses, oks
 
-    def floats(st):
-        return [x for x in jax.tree_util.tree_leaves(averaged_part(st, keep)) if is_averaged(x)]
-
-    def with_floats(st, values):
-        leaves, treedef = jax.tree_util.tree_flatten(averaged_part(st, keep))
-        at = [i for i, x in enumerate(leaves) if is_averaged(x)]
-        for i, x in zip(at, values, strict=True):
-            leaves[i] = x.astype(leaves[i].dtype)
-        moved = jax.tree_util.tree_unflatten(treedef, leaves)
-        return moved if keep else moved.replace(opt_state=st.opt_state)
-
-    return fitted, floats, with_floats
+    return fitted, functools.partial(_floats, keep=keep), functools.partial(_with_floats, keep=keep)
 
 
 def _late_round_function(net, master, exchange, fit: bool):
@@ -668,9 +682,7 @@ def _late_mean(eager: bool | str = False):
     import jax
     import numpy as np
 
-    from dlspark._mesh import is_averaged
     from dlspark.algorithms.averaging import _device
-    from dlspark.algorithms.averaging._numerics import averaged_part
 
     run = _device.AveragingDeviceRun
     saved = _device._round_function, run._replicate, run._round, run.fit
@@ -681,8 +693,7 @@ def _late_mean(eager: bool | str = False):
         if self.master.outer_updater is not None:
             raise ValueError("the late mean's diagnostics take no outer_updater: its slot holds their carry")
         stacked, _ = saved[1](self, state, saved_rngs)
-        own = [np.asarray(x) for x in jax.tree_util.tree_leaves(averaged_part(state, self.master.save_updater))
-               if is_averaged(x)]
+        own = [np.asarray(x) for x in _floats(state, self.master.save_updater)]
         n = len(self.exchange)
         both = [np.stack([x] * n) for x in own]
         if eager:
@@ -702,12 +713,7 @@ def _late_mean(eager: bool | str = False):
             mean = [t + m - o for t, o, m in zip(theta, own, moved, strict=True)]
         else:
             _, mean = self.exchange.replica(self._late_carry)
-        leaves, treedef = jax.tree_util.tree_flatten(averaged_part(out.state, self.master.save_updater))
-        at = [i for i, x in enumerate(leaves) if is_averaged(x)]
-        for i, m in zip(at, mean, strict=True):
-            leaves[i] = jax.numpy.asarray(m)
-        ended = jax.tree_util.tree_unflatten(treedef, leaves)
-        out.state = ended if self.master.save_updater else ended.replace(opt_state=out.state.opt_state)
+        out.state = _with_floats(out.state, [jax.numpy.asarray(m) for m in mean], self.master.save_updater)
         return out
 
     _device._round_function = (functools.partial(_eager_round_function, lag_updater=eager != "params") if eager
