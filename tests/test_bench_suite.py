@@ -72,6 +72,8 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert master.outer_updater is not None, name
             elif k == "update_scale_workers":  # the updates times the workers (or a factor of them), outer step or not
                 assert master.update_scale == 2.0 * (1.0 if v is True else v), name
+            elif k == "update_scale_sqrt":  # the updates times the square root of the workers
+                assert master.update_scale == pytest.approx(2.0 ** 0.5), name
             elif k == "outer_cosine":  # an outer SGD rate falling from 1 to 0 over the fit's rounds
                 tx, g = master.outer_updater, np.ones(3, np.float32)
                 rounds = bench_suite.fit_rounds(task, train, options, 2)
@@ -97,6 +99,8 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
                 assert e1 + e2 == task.epochs and (e1 if side == "first" else e2) == n, name
                 frequent, rest = (first, second) if side == "first" else (second, first)
                 assert (frequent.averaging_frequency, frequent.outer_updater, rest) == (5, None, master), name
+                # the closing (or opening) epochs are the defaults' rounds: updates scaled with the workers
+                assert frequent.for_workers(2).update_scale == 2.0, name
                 assert master.averaging_frequency == options["averaging_frequency"], name
             elif k in bench_suite.WRAPPER_ONLY:  # the fit's (see the tests below); the master has the others
                 rest = {o: x for o, x in options.items() if o != k}
