@@ -336,3 +336,19 @@ def test_the_late_mean_diagnostics_move_each_round_on_before_its_mean(run, tmp_p
     assert np.array_equal(_averaged_params("averaging", 480), library)
     with pytest.raises(SystemExit, match=f"{run} replace a piece of the ParallelWrapper's step"):
         bench_suite.run_grid(["cancer"], [0], [2], [run], str(tmp_path / "s.json"))
+
+
+def test_the_bfloat16_mean_diagnostic_averages_rounded_moves_and_carries_their_error(tmp_path):
+    # one round (5 minibatches a replica at frequency 5): each replica's move (at most 5 Adam
+    # steps of the rate, 1e-3, times the scale, 2) rounded to bfloat16's 8 bits loses at most
+    # 2**-9 of it: the fit ends near the library's, not on it
+    one, library_one = _averaged_params("averaging-bf16", 160), _averaged_params("averaging", 160)
+    assert 0 < np.abs(one - library_one).max() < 5 * 2 * 1e-3 * 2.0 ** -8
+    # three rounds: the rounding errors are carried into the next round's move rather than
+    # piling up; the fit stays near the library's
+    three, library = _averaged_params("averaging-bf16", 480), _averaged_params("averaging", 480)
+    assert 0 < np.abs(three - library).max() < 3 * 5 * 2 * 1e-3 * 2.0 ** -8
+    # the library's round is back after the diagnostic's fit
+    assert np.array_equal(_averaged_params("averaging", 480), library)
+    with pytest.raises(SystemExit, match="averaging-bf16 replace a piece of the ParallelWrapper's step"):
+        bench_suite.run_grid(["cancer"], [0], [2], ["averaging-bf16"], str(tmp_path / "s.json"))
