@@ -275,12 +275,14 @@ def run_torch(net, n, epochs, runs, hook, world, curve_epochs=0):
 
 CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd",
               "averaging5-no-updater", "localsgd50-bf16-outer", "sharing-sync", "sharing-async", "sharing-encoded",
-              "sharing-first", "sharing-dgc-warmup", "sharing-no-clipping", "averaging50", "sharing-dask-messages")
+              "sharing-first", "sharing-dgc-warmup", "sharing-no-clipping", "averaging50", "sharing-dask-messages",
+              "averaging5-bf16")
 #: measured by default; torch 2.13's powerSGD_hook fails a collective on gloo here ("Received data
 #: size doesn't match expected size"), so it runs only when named, as does averaging without
 #: save_updater (whose rounds carry the parameters alone) and LocalSGD (averaging50-outer's rounds
 #: with the pseudo-gradient sent in bfloat16, error feedback kept on each replica), and averaging
-#: at 50 with its defaults otherwise (updates scaled with the workers, no outer step)
+#: at 50 with its defaults otherwise (updates scaled with the workers, no outer step), and the
+#: defaults with their exchange in bfloat16 (exchange_precision, half of a round's bytes)
 DEFAULT_CONTENDERS = CONTENDERS[:5]
 
 
@@ -324,6 +326,9 @@ def _master(name):
 
     if name == "averaging5":
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=5)
+    if name == "averaging5-bf16":
+        return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=5,
+                                          exchange_precision="bfloat16")
     if name == "averaging5-no-updater":
         return dlspark.ParameterAveraging(batch_size_per_worker=BATCH, averaging_frequency=5, save_updater=False)
     if name == "averaging50-outer":

@@ -352,3 +352,34 @@ def test_the_bfloat16_mean_diagnostic_averages_rounded_moves_and_carries_their_e
     assert np.array_equal(_averaged_params("averaging", 480), library)
     with pytest.raises(SystemExit, match="averaging-bf16 replace a piece of the ParallelWrapper's step"):
         bench_suite.run_grid(["cancer"], [0], [2], ["averaging-bf16"], str(tmp_path / "s.json"))
+
+
+def _cluster_params(client, rows, **options):
+    """The parameters and round statistics of a two-worker cluster fit of cancer's first
+    ``rows`` rows with averaging's defaults (and ``options``)."""
+    task = bench_suite.TASKS["cancer"]
+    train, _ = task.data()
+    net, master = bench_suite.run_setup(task, train, 0, "averaging", 2)
+    with dlspark.DistributedTrainer(client, net, dataclasses.replace(master, **options), progress=False) as trainer:
+        trainer.fit(train[:rows], epochs=1)
+        stats = trainer.last_fit_stats
+    return np.concatenate([np.ravel(p) for p in jax.tree.leaves(net.params)]), stats
+
+
+def test_the_librarys_bfloat16_exchange_trains_as_the_prototype_measured_at_half_the_bytes(client2):
+    # three rounds on a two-worker cluster: each worker fetched its peer's moves in bfloat16 and
+    # added their mean to the round's start, as the ParallelWrapper prototype whose accuracy the
+    # parity suite measured (averaging-bf16) does
+    moved, stats = _cluster_params(client2, 480, exchange_precision="bfloat16")
+    np.testing.assert_allclose(moved, _averaged_params("averaging-bf16", 480), rtol=0, atol=1e-6)
+    exact, exact_stats = _cluster_params(client2, 480)
+    assert np.abs(moved - exact).max() > 1e-6  # not the float32 mean
+    assert [s["bytes_received"] for s in stats] == [s["bytes_received"] // 2 for s in exact_stats]
+    assert len(stats) == 3 and all(s["bytes_received"] > 0 for s in stats)
+    task = bench_suite.TASKS["cancer"]
+    net, master = bench_suite.run_setup(task, task.data()[0], 0, "averaging", 2)
+    with pytest.raises(ValueError, match='exchange_precision=.bfloat16. halves what a cluster'):
+        dlspark.ParallelWrapper(net, dataclasses.replace(master, exchange_precision="bfloat16"), devices=2,
+                                progress=False).fit(task.data()[0][:160], epochs=1)
+    with pytest.raises(ValueError, match='exchange_precision must be "float32" or "bfloat16", got .float16.'):
+        dataclasses.replace(master, exchange_precision="float16")

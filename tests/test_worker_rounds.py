@@ -367,3 +367,54 @@ def test_a_sharing_worker_numbers_its_messages_from_the_counter_its_fit_order_gi
 
     have = client3.sync(scenario)
     assert have.have == {a: [6]} and have.step == 6
+
+
+def test_moves_in_bfloat16_are_averaged_in_shares_and_again_over_fewer_contributors(client3, make_net, digits,
+                                                                                       tmp_path):
+    from dlspark.algorithms.averaging._numerics import averaged_indices, encode_moves, mean_of_moves
+
+    master = ParameterAveraging(batch_size_per_worker=32, update_scale=1.0, exchange_precision="bfloat16")
+    job = _DrivenJob(client3, make_net, digits, tmp_path, 96, master)
+    net, urls = job.net, job.urls
+    a, b, c = job.workers
+    mixed = averaged_indices(net.state, True)
+
+    def floats(state):
+        every = jax.tree_util.tree_leaves(state)
+        return [np.asarray(every[i], np.float32) for i in mixed]
+
+    async def scenario():
+        await job.setup([a, b, c])
+        # three contributors: each averages a share of the moves and gathers the others'
+        replies = await asyncio.gather(*[job.fit(w, 1, [i], [a, b, c]) for i, w in enumerate((a, b, c))])
+        mean = [floats(state_from_arrays(await job.state_of(w), net.state)) for w in (a, b, c)]
+        # b is lost after everyone averaged: a and c average again over a alone
+        await asyncio.gather(job.average(a, 1, [a], 1), job.average(c, 1, [a], 1))
+        only_a = [floats(state_from_arrays(await job.state_of(w), net.state)) for w in (a, c)]
+        await asyncio.gather(*[job.teardown(w) for w in (a, b, c)])
+        return replies, mean, only_a
+
+    replies, mean, only_a = client3.sync(scenario)
+    # each replica's own fit of its minibatch, computed here, and the mean of its moves in bfloat16
+    theta = floats(net.state)
+    fitted = [floats(net.steps.train_step(jax.tree_util.tree_map(np.copy, net.state),
+                                          jax.tree_util.tree_map(np.asarray, load_minibatch(u).jit_batch())).state)
+              for u in urls]
+    moves = [encode_moves(y, theta, [np.zeros_like(t) for t in theta])[0] for y in fitted]
+    want = mean_of_moves(theta, moves)
+    for got in mean:  # every replica holds the same bits: the round's start plus the mean move
+        for x, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(x, w, rtol=0, atol=1e-7)
+    exact = [sum(ys) / 3 for ys in zip(*fitted)]  # near the float32 mean, not on it
+    gap = max(float(np.abs(x - e).max()) for x, e in zip(mean[0], exact))
+    assert 0 < gap < 1e-2 * 2.0 ** -8
+    # a replica fetched its two peers' slices of their moves in 16 bits an element (its own
+    # share, s elements: 2 * 2 * s bytes), then the others' mean shares in 32 (4 * (n - s)):
+    # 4 * n bytes, where float32 moves would take 4 * n + 4 * s
+    elements = sum(t.size for t in theta)
+    assert [r.extra["averaged"].bytes_received for r in replies] == [4 * elements] * 3
+    # averaged again over a alone: a's own move, rounded, from the same start, on a and on c
+    alone = mean_of_moves(theta, moves[:1])
+    for got in only_a:
+        for x, w in zip(got, alone, strict=True):
+            np.testing.assert_allclose(x, w, rtol=0, atol=1e-7)

@@ -44,6 +44,21 @@ class ParameterAveraging(Algorithm):
         the schedule was measured to hold that rule without one.
     final_frequency : int
         The averaging frequency of the ``final_epochs`` (default 5, the default frequency).
+    exchange_precision : {"float32", "bfloat16"}
+        What a round's contributions travel in between a cluster's workers. ``"float32"``
+        (the default): each replica's averaged leaves as they are, and the mean is exact.
+        ``"bfloat16"``: each replica's move since the round's start (parameters, and the
+        updater's state with ``save_updater``) rounded to bfloat16, half of the bytes, with
+        error feedback: what the rounding lost is kept by the replica and added to its next
+        round's move, so nothing is lost for good. Every replica adds the same mean of the
+        rounded moves to the round's start, so the replicas stay equal. A replica keeps a
+        float32 copy of the round's start and its residual (two more copies of the averaged
+        leaves); a worker that joins, or a fit that resumes, starts its residual at zero.
+        Clusters only: a :class:`~dlspark.ParallelWrapper`'s devices exchange no bytes over a
+        network, and refuse it. Measured on the parity suite as a prototype with the same
+        arithmetic (eight tasks, seeds 0-9, frequency 5): within a point of one process on every
+        task at 2 and 4 workers (docs/benchmarks/parity-suite.md); for slow links
+        (docs/benchmarks/network.md).
     worker_prefetch_num_batches : int
         Minibatches a worker loads ahead in a background thread (0: none).
     save_updater : bool
@@ -127,6 +142,7 @@ class ParameterAveraging(Algorithm):
     update_scale: object = "workers"
     final_epochs: int = 0
     final_frequency: int = 5
+    exchange_precision: str = "float32"
 
     name = "averaging"
 
@@ -138,6 +154,8 @@ class ParameterAveraging(Algorithm):
         for name in ("save_updater", "fused_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.exchange_precision not in ("float32", "bfloat16"):
+            raise ValueError(f'exchange_precision must be "float32" or "bfloat16", got {self.exchange_precision!r}')
         scale = self.update_scale
         if not (scale == "workers" or (isinstance(scale, (int, float)) and not isinstance(scale, bool)
                                        and math.isfinite(scale) and scale > 0)):
@@ -186,6 +204,10 @@ class ParameterAveraging(Algorithm):
         return AveragingRun(worker, job, spec, state, rank)
 
     def create_device_run(self, runtime):
+        if self.exchange_precision != "float32":
+            raise ValueError(f"exchange_precision={self.exchange_precision!r} halves what a cluster's workers send each "
+                             "other; a ParallelWrapper's devices exchange nothing over a network: leave it "
+                             '"float32" here, or fit on a cluster')
         return AveragingDeviceRun(runtime)
 
     def resume_state(self, meta, url, network, storage_options=None):

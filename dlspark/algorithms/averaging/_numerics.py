@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 
 __all__ = ["average_leaves", "average_on_device", "is_averaged", "averaged_indices", "averaged_part", "start_round", "share_bounds", "share_pieces",
-           "take_share", "average_share", "assemble", "outer_step", "outer_state_from_arrays"]
+           "take_share", "average_share", "assemble", "outer_step", "outer_state_from_arrays", "bfloat16_bits",
+           "from_bfloat16_bits", "encode_moves", "mean_move", "mean_of_moves", "mean_move_shares"]
 
 
 def is_averaged(a) -> bool:
@@ -144,6 +146,54 @@ def assemble(like: list, pieces: list, values: list) -> list:
     for (i, a, b), v in zip(pieces, values):
         out[i][a:b] = v
     return [x.reshape(np.shape(ref)) for x, ref in zip(out, like)]
+
+
+# -- moves in bfloat16 (exchange_precision="bfloat16") --------------------------------------
+def bfloat16_bits(x) -> np.ndarray:
+    """``x`` rounded to bfloat16 (to nearest, ties to even, as XLA's conversion), as the 16
+    bits of each element (``uint16``: a dtype every path that moves arrays knows)."""
+    return np.asarray(np.asarray(x, np.float32), dtype=ml_dtypes.bfloat16).view(np.uint16)
+
+
+def from_bfloat16_bits(bits) -> np.ndarray:
+    """The float32 values of bfloat16 bits (exact: bfloat16 is float32's upper half)."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def encode_moves(host: list, theta: list, residual: list) -> tuple[list, list]:
+    """A replica's contribution as its moves in bfloat16, with error feedback: ``d = y - theta
+    + residual`` for each leaf ``y`` of ``host`` (``theta``: the round's starting leaves, in
+    float32), sent as ``bfloat16(d)``'s bits; returns ``(bits, d - bfloat16(d))``, the
+    residual the next round's moves carry."""
+    bits, kept = [], []
+    for y, t, r in zip(host, theta, residual, strict=True):
+        d = np.asarray(y, np.float32) - t + r
+        b = bfloat16_bits(d)
+        bits.append(b)
+        kept.append(d - from_bfloat16_bits(b))
+    return bits, kept
+
+
+def mean_move(bits: list) -> np.ndarray:
+    """The mean of one leaf's moves (bfloat16 bits, one per contributor, in a fixed order):
+    summed in that order in float32, then one divide. Every replica that passes the same
+    moves in the same order gets the same bits."""
+    acc = from_bfloat16_bits(bits[0]).copy()
+    for b in bits[1:]:
+        np.add(acc, from_bfloat16_bits(b), out=acc)
+    np.divide(acc, np.float32(len(bits)), out=acc)
+    return acc
+
+
+def mean_of_moves(theta: list, moves: list) -> list:
+    """``theta`` (the round's starting leaves, float32) plus the mean of the contributors'
+    moves (each a list of leaves' bfloat16 bits)."""
+    return [t + mean_move([m[i] for m in moves]) for i, t in enumerate(theta)]
+
+
+def mean_move_shares(shares: list) -> list:
+    """The mean move of each slice of a share (``shares[c]``: contributor c's slices' bits)."""
+    return [mean_move(list(parts)) for parts in zip(*shares)]
 
 
 # -- a replica's round ----------------------------------------------------------------

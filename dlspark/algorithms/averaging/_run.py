@@ -25,8 +25,9 @@ from ...distributed._run import WorkerRun
 from ...distributed._messages import FitReply, Unavailable
 from ...network import one_shape
 from ._messages import AverageOrder, AverageReply, Contribution, Share, SharedContribution
-from ._numerics import (assemble, average_on_device, average_share, averaged_indices, outer_step, round_steps,
-                        settled_scale, share_bounds, share_pieces, start_round, take_share)
+from ._numerics import (assemble, average_on_device, average_share, averaged_indices, encode_moves,
+                        mean_move_shares, mean_of_moves, outer_step, round_steps, settled_scale, share_bounds,
+                        share_pieces, start_round, take_share)
 
 __all__ = ["AveragingRun"]
 
@@ -65,6 +66,11 @@ class AveragingRun(WorkerRun):
         self.outer_state = None if tx is None else (tx.init(self.state.params) if carried is None
                                                    else jax.tree_util.tree_map(jnp.asarray, carried))
         self.round_start: dict = {}  # round -> (parameters, outer state) when the round began
+        # exchange_precision="bfloat16": a contribution is the replica's move from the round's
+        # start in bfloat16 (its bits, uint16), what the rounding lost kept for the next round's
+        self.moves = self.master.exchange_precision == "bfloat16"
+        self.theta: dict = {}  # round -> the averaged leaves the round started from (float32, host)
+        self.residual: list | None = None
         # Contributions cross to peers on this host through shared memory (see _shared);
         # rounds take the two segments in turn, so that a slow peer may still read the last.
         self.shared = {}  # round -> where its contribution lies in this worker's shared memory
@@ -114,7 +120,7 @@ class AveragingRun(WorkerRun):
     def forget_rounds_before(self, round):
         self.offered = {r for r in self.offered if r >= round}
         for kept in (self.contributions, self.ready, self.untouched, self.shares, self.round_start, self.shared,
-                     self.offers):
+                     self.offers, self.theta):
             for r in [r for r in kept if r < round]:
                 del kept[r]
 
@@ -141,6 +147,8 @@ class AveragingRun(WorkerRun):
         start = steps.copy_state(state) if fused else state
         if self.outer is not None:  # the outer step starts from the round's parameters
             self._start = (start.params, self.outer_state)
+        if self.moves:  # a round's moves are taken from where it started (a copy: the steps donate)
+            self._theta = self._start_leaves(self.state)
         if fused:
             # The round's steps as one compiled call over the stacked minibatches: a rolled loop,
             # whose compile time does not grow with the averaging frequency, unless the step
@@ -186,6 +194,10 @@ class AveragingRun(WorkerRun):
         return {"loss_sum": float(sum(losses)), "n": len(losses), "examples": n_examples, "steps": steps,
                 "fit_time": time.perf_counter() - t0, "data_wait": self.prefetch.wait_time - wait0}
 
+    def _start_leaves(self, state):
+        every = jax.tree_util.tree_leaves(state)
+        return [np.array(every[i], dtype=np.float32, copy=True) for i in self.mixed]
+
     def _contribution(self, round, contributors):
         """This replica's averaged leaves (``self.mixed``) after its fit: ``(on the device, on
         the host)``. The device leaves enter its own average without a copy; the host ones are
@@ -196,6 +208,12 @@ class AveragingRun(WorkerRun):
         every = jax.tree_util.tree_leaves(self.state)
         leaves = [every[i] for i in self.mixed]
         host = [np.asarray(x) for x in leaves]
+        if self.moves:  # the move in bfloat16; the rounding's loss goes into the next round's
+            theta = self.theta[round]
+            if self.residual is None:
+                self.residual = [np.zeros_like(t) for t in theta]
+            host, self.residual = encode_moves(host, theta, self.residual)
+            leaves = None  # the replica's own mean reads its bits too, as its peers do
         if (self.slots is not None and len(contributors) == 2 and self.address in contributors
                 and all(_shared.same_host(a, self.address) for a in contributors)):
             where = self.slots.put(round % 2, host)
@@ -208,6 +226,12 @@ class AveragingRun(WorkerRun):
         for i, x in zip(self.mixed, average_on_device([leaves[i] for i in self.mixed], contributions)):
             leaves[i] = x
         self.state = jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _moves_into_state(self, round, contributions):
+        """The round's start plus the mean of the contributions' moves (bfloat16 bits)."""
+        leaves = jax.tree_util.tree_leaves(self.state)
+        new = mean_of_moves(self.theta[round], contributions)
+        self._set_mixed([x.astype(leaves[i].dtype, copy=False) for i, x in zip(self.mixed, new, strict=True)])
 
     def _set_mixed(self, values):
         """The averaged leaves (``self.mixed``) set to ``values``, the others kept."""
@@ -259,6 +283,8 @@ class AveragingRun(WorkerRun):
             result = await self.compute(self._fit, list(order.refs), order.epoch, list(order.next_refs))
             if self.outer is not None:
                 self.round_start[round] = self._start
+            if self.moves:
+                self.theta[round] = self._theta
             self.contributions[round] = await self.compute(self._contribution, round, contributors)
             self.stats.mark("prepare")
         except BaseException:
@@ -318,12 +344,18 @@ class AveragingRun(WorkerRun):
             self.forget_rounds_before(round)
             if round not in self.untouched:
                 self.untouched[round] = [np.asarray(x) for x in jax.tree_util.tree_leaves(self.state)]
+                if self.moves:  # the mean of the contributors' moves is taken from here
+                    self.theta[round] = self._start_leaves(self.state)
                 if self.outer is not None:
                     self.round_start[round] = (self.state.params, self.outer_state)
         done = AverageReply(avg_time=0.0, fetch_time=0.0, bytes_received=0, contributors=tuple(contributors))
         if contributors == [self.address] and self.contributions.get(round) is not None:
-            # Sole contributor: the mean is its own state after its fit.
-            await self.compute(self._then_outer, round, self._set_mixed, self._own_contribution(round))
+            # Sole contributor: the mean is its own state after its fit (its own move).
+            if self.moves:
+                await self.compute(self._then_outer, round, self._moves_into_state, round,
+                                   [self._own_contribution(round)])
+            else:
+                await self.compute(self._then_outer, round, self._set_mixed, self._own_contribution(round))
             self.stats.mark("average")
             return replace(done, avg_time=time.perf_counter() - t0)
         if not contributors and round in self.untouched:
@@ -363,7 +395,10 @@ class AveragingRun(WorkerRun):
             contribs.append(resp.leaves)
         t_fetch = time.perf_counter() - t0
         self.stats.mark("fetch", bytes=nbytes, shared=shared, offered=used_offers)
-        await self.compute(self._then_outer, round, self._average_into_state, contribs)
+        if self.moves:
+            await self.compute(self._then_outer, round, self._moves_into_state, round, contribs)
+        else:
+            await self.compute(self._then_outer, round, self._average_into_state, contribs)
         del contribs, resp  # this call's views into a peer's shared memory end here
         self._drop_device_copy(round)
         self.stats.mark("average")
@@ -418,7 +453,8 @@ class AveragingRun(WorkerRun):
                     parts.append(list(resp.leaves))
                     nbytes += sum(np.asarray(x).nbytes for x in parts[-1])
                 self.stats.mark("fetch", bytes=nbytes)
-                slot[1] = ("OK", await self.compute(average_share, parts))
+                mean = mean_move_shares if self.moves else average_share
+                slot[1] = ("OK", await self.compute(mean, parts))
                 self.stats.mark("average")
             finally:
                 if slot[1] is None:  # failed here: its waiters must not wait for their timeout
@@ -442,6 +478,8 @@ class AveragingRun(WorkerRun):
             all_pieces += share_pieces(sizes, *share_bounds(sizes, n, k))
             all_values += values
         self.stats.mark("fetch", bytes=nbytes - own_bytes)
+        if self.moves:  # the shares are the mean move: added to the round's start
+            all_values = [t + v for t, v in zip(take_share(self.theta[round], all_pieces), all_values, strict=True)]
         await self.compute(self._then_outer, round, self._set_floats, floats, all_pieces, all_values)
         self._drop_device_copy(round)
         self.stats.mark("average")
