@@ -57,8 +57,9 @@ class ParameterAveraging(Algorithm):
         Clusters only: a :class:`~dlspark.ParallelWrapper`'s devices exchange no bytes over a
         network, and refuse it. Measured on the parity suite as a prototype with the same
         arithmetic (eight tasks, seeds 0-9, frequency 5): within a point of one process on every
-        task at 2 and 4 workers (docs/benchmarks/parity-suite.md); for slow links
-        (docs/benchmarks/network.md).
+        task at 2 and 4 workers (docs/benchmarks/parity-suite.md). On two emulated hosts
+        (docs/benchmarks/network.md) it raised averaging from 0.54x to 0.73x one process at
+        1 Gbit/s and cost 6% on unlimited links: for links of a gigabit or slower.
     worker_prefetch_num_batches : int
         Minibatches a worker loads ahead in a background thread (0: none).
     save_updater : bool

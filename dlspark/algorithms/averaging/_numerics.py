@@ -160,18 +160,26 @@ def from_bfloat16_bits(bits) -> np.ndarray:
     return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
 
 
-def encode_moves(host: list, theta: list, residual: list) -> tuple[list, list]:
-    """A replica's contribution as its moves in bfloat16, with error feedback: ``d = y - theta
-    + residual`` for each leaf ``y`` of ``host`` (``theta``: the round's starting leaves, in
-    float32), sent as ``bfloat16(d)``'s bits; returns ``(bits, d - bfloat16(d))``, the
-    residual the next round's moves carry."""
+@jax.jit
+def _encode(host, theta, residual):
     bits, kept = [], []
     for y, t, r in zip(host, theta, residual, strict=True):
-        d = np.asarray(y, np.float32) - t + r
-        b = bfloat16_bits(d)
-        bits.append(b)
-        kept.append(d - from_bfloat16_bits(b))
+        d = y.astype(jnp.float32) - t + r
+        b = d.astype(jnp.bfloat16)
+        bits.append(jax.lax.bitcast_convert_type(b, jnp.uint16))
+        kept.append(d - b.astype(jnp.float32))
     return bits, kept
+
+
+def encode_moves(leaves: list, theta: list, residual: list) -> tuple[list, list]:
+    """A replica's contribution as its moves in bfloat16, with error feedback: ``d = leaf -
+    theta + residual`` for each of ``leaves`` (``theta``: the round's starting leaves, in
+    float32), sent as ``bfloat16(d)``'s bits; returns ``(bits, d - bfloat16(d))``, the bits as
+    host arrays, the second the residual the next round's moves carry, where the arguments
+    lie (on a device, for a replica's own state). One compiled call, one pass over the
+    leaves; the same bits as :func:`bfloat16_bits` of ``d`` computed in numpy."""
+    bits, kept = _encode(list(leaves), list(theta), list(residual))
+    return [np.asarray(b) for b in bits], kept
 
 
 def mean_move(bits: list) -> np.ndarray:
@@ -185,10 +193,24 @@ def mean_move(bits: list) -> np.ndarray:
     return acc
 
 
+@jax.jit
+def _mean_of_moves(theta, columns, n):
+    out = []
+    for t, bits in zip(theta, columns, strict=True):
+        acc = jax.lax.bitcast_convert_type(bits[0], jnp.bfloat16).astype(jnp.float32)
+        for b in bits[1:]:
+            acc = acc + jax.lax.bitcast_convert_type(b, jnp.bfloat16).astype(jnp.float32)
+        out.append(t + acc / n)
+    return out
+
+
 def mean_of_moves(theta: list, moves: list) -> list:
     """``theta`` (the round's starting leaves, float32) plus the mean of the contributors'
-    moves (each a list of leaves' bfloat16 bits)."""
-    return [t + mean_move([m[i] for m in moves]) for i, t in enumerate(theta)]
+    moves (each a list of leaves' bfloat16 bits), as :func:`mean_move` computes it, in one
+    compiled call (``n`` an argument: XLA would turn a division by a constant into a
+    multiplication by its reciprocal, which rounds differently)."""
+    columns = [[m[i] for m in moves] for i in range(len(theta))]
+    return _mean_of_moves(list(theta), columns, np.float32(len(moves)))
 
 
 def mean_move_shares(shares: list) -> list:

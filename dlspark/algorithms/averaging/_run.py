@@ -195,8 +195,9 @@ class AveragingRun(WorkerRun):
                 "fit_time": time.perf_counter() - t0, "data_wait": self.prefetch.wait_time - wait0}
 
     def _start_leaves(self, state):
+        """The averaged leaves of ``state`` in float32, a copy where they lie (the steps donate)."""
         every = jax.tree_util.tree_leaves(state)
-        return [np.array(every[i], dtype=np.float32, copy=True) for i in self.mixed]
+        return [jnp.array(every[i], dtype=jnp.float32, copy=True) for i in self.mixed]
 
     def _contribution(self, round, contributors):
         """This replica's averaged leaves (``self.mixed``) after its fit: ``(on the device, on
@@ -207,13 +208,14 @@ class AveragingRun(WorkerRun):
         self.peer_views.prune(round)  # the files of peers gone a few rounds ago
         every = jax.tree_util.tree_leaves(self.state)
         leaves = [every[i] for i in self.mixed]
-        host = [np.asarray(x) for x in leaves]
         if self.moves:  # the move in bfloat16; the rounding's loss goes into the next round's
             theta = self.theta[round]
             if self.residual is None:
-                self.residual = [np.zeros_like(t) for t in theta]
-            host, self.residual = encode_moves(host, theta, self.residual)
+                self.residual = [jnp.zeros_like(t) for t in theta]
+            host, self.residual = encode_moves(leaves, theta, self.residual)
             leaves = None  # the replica's own mean reads its bits too, as its peers do
+        else:
+            host = [np.asarray(x) for x in leaves]
         if (self.slots is not None and len(contributors) == 2 and self.address in contributors
                 and all(_shared.same_host(a, self.address) for a in contributors)):
             where = self.slots.put(round % 2, host)
@@ -479,7 +481,8 @@ class AveragingRun(WorkerRun):
             all_values += values
         self.stats.mark("fetch", bytes=nbytes - own_bytes)
         if self.moves:  # the shares are the mean move: added to the round's start
-            all_values = [t + v for t, v in zip(take_share(self.theta[round], all_pieces), all_values, strict=True)]
+            theta = [np.asarray(t) for t in self.theta[round]]
+            all_values = [t + v for t, v in zip(take_share(theta, all_pieces), all_values, strict=True)]
         await self.compute(self._then_outer, round, self._set_floats, floats, all_pieces, all_values)
         self._drop_device_copy(round)
         self.stats.mark("average")
