@@ -498,6 +498,23 @@ def test_direct_minibatches_survive_a_killed_worker(client2, make_net, digits):
     assert trainer.network.iteration == 60
 
 
+def test_moves_in_bfloat16_survive_a_killed_worker(client2, make_net, digits):
+    from conftest import kill_at_round
+
+    tr, _ = digits
+    on_round, killed = kill_at_round(client2, 2)
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, exchange_precision="bfloat16")
+    trainer = DistributedTrainer(client2, make_net(), master, progress=False)
+    trainer.fit(tr[:640], epochs=2, callbacks=[on_round])  # 20 minibatches, 5 rounds an epoch
+    assert killed.is_set()
+    per_epoch = {}
+    for s in trainer.last_fit_stats:
+        per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
+    assert per_epoch == {0: 20, 1: 20} and trainer.network.iteration == 40
+    # the survivor went on from the round's mean of rounded moves, which stays finite
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(trainer.network.params))
+
+
 # -- 11: a gradient-sharing job whose client dies is torn down on every worker -----------------------
 _ABANDONING_SHARING_CLIENT = """
 import sys, time

@@ -69,7 +69,7 @@ class AveragingRun(WorkerRun):
         # exchange_precision="bfloat16": a contribution is the replica's move from the round's
         # start in bfloat16 (its bits, uint16), what the rounding lost kept for the next round's
         self.moves = self.master.exchange_precision == "bfloat16"
-        self.theta: dict = {}  # round -> the averaged leaves the round started from (float32, host)
+        self.theta: dict = {}  # round -> the averaged leaves the round started from (float32 copies, where they lie)
         self.residual: list | None = None
         # Contributions cross to peers on this host through shared memory (see _shared);
         # rounds take the two segments in turn, so that a slow peer may still read the last.
@@ -204,7 +204,8 @@ class AveragingRun(WorkerRun):
         the host)``. The device leaves enter its own average without a copy; the host ones are
         served to peers (views of the same memory on a CPU device). With two contributors on
         one host the host leaves are also copied into this worker's shared memory, for the
-        peer to read."""
+        peer to read. With moves in bfloat16 the host leaves are the move's bits and there
+        are no device leaves: the replica's own mean reads its bits, as its peers do."""
         self.peer_views.prune(round)  # the files of peers gone a few rounds ago
         every = jax.tree_util.tree_leaves(self.state)
         leaves = [every[i] for i in self.mixed]
