@@ -18,7 +18,8 @@ from distributed.protocol import to_serialize
 import dlspark
 from dlspark import DistributedTrainer, ParameterAveraging
 from dlspark.algorithms.averaging._messages import AverageWith
-from dlspark.algorithms.averaging._numerics import average_leaves, outer_step
+from dlspark.algorithms.averaging._numerics import (average_leaves, averaged_indices, encode_moves, mean_of_moves,
+                                                    outer_step)
 from dlspark.checkpoint import state_from_arrays, state_to_arrays
 from dlspark.data import save_minibatches
 from dlspark.distributed._client import checked, setup_workers
@@ -93,15 +94,19 @@ def test_without_outer_updater_the_mean_bit_for_bit_and_sgd_one_to_rounding(clie
     assert any(not np.allclose(x, s) for x, s in zip(_floats(states[0].params), start))  # it trained
 
 
-def _outer_loop_here(make_net, batches, workers, freq, lr, outer):
+def _outer_loop_here(make_net, batches, workers, freq, lr, outer, moves=False):
     """The job's arithmetic in this process: each round every worker fits its share of the
     round's minibatches from the same start, the states are averaged, and the outer
-    optimizer moves the round-start parameters by its update of (start - mean)."""
+    optimizer moves the round-start parameters by its update of (start - mean). With
+    ``moves``, the mean is the start plus the mean of the workers' moves in bfloat16, each
+    worker's rounding error carried into its next move (``exchange_precision="bfloat16"``)."""
     net = make_net(updater=optax.sgd(lr))
     state = jax.tree_util.tree_map(np.asarray, net.state)
     outer_state = None if outer is None else outer.init(state.params)
     plan = Coordinator([0] * len(batches), 1, freq)
     names = [f"w{i}" for i in range(workers)]
+    mixed = averaged_indices(state, True)
+    residuals = {}
     while (p := plan.plan_round(names)) is not None:
         fitted = []
         for w in names:
@@ -111,7 +116,20 @@ def _outer_loop_here(make_net, batches, workers, freq, lr, outer):
             fitted.append(jax.tree_util.tree_leaves(st))
         plan.complete_round(p, names)
         treedef = jax.tree_util.tree_structure(state)
-        mean = jax.tree_util.tree_unflatten(treedef, average_leaves(fitted[0], fitted))
+        if moves:
+            start = jax.tree_util.tree_leaves(state)
+            theta = [np.asarray(start[i], np.float32) for i in mixed]
+            bits = []
+            for w, leaves in zip(names, fitted):
+                b, residuals[w] = encode_moves([leaves[i] for i in mixed], theta,
+                                               residuals.get(w) or [np.zeros_like(t) for t in theta])
+                bits.append(b)
+            leaves = list(fitted[0])  # the integers (step counts) as the first worker's, as averaging keeps them
+            for i, x in zip(mixed, mean_of_moves(theta, bits)):
+                leaves[i] = np.asarray(x).astype(leaves[i].dtype)
+            mean = jax.tree_util.tree_unflatten(treedef, leaves)
+        else:
+            mean = jax.tree_util.tree_unflatten(treedef, average_leaves(fitted[0], fitted))
         if outer is not None:
             params, outer_state = outer_step(outer, state.params, mean.params, outer_state)
             mean = mean.replace(params=params)
@@ -137,6 +155,22 @@ def test_nesterov_outer_loop_equals_the_same_loop_computed_here(client, make_net
                                                                            _floats(plain.params)))
     # its state is carried to the next fit, and it is the trace the local loop reached
     assert "outer_state" in trainer.algorithm_state
+
+
+def test_moves_in_bfloat16_under_the_nesterov_outer_loop_equal_the_same_loop_computed_here(client, make_net, digits):
+    tr, _ = digits
+    batches = tr[:512].batches(32)  # 16 minibatches: 4 rounds of 2 workers x 2
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, update_scale=1.0,
+                                outer_updater=optax.sgd(**NESTEROV), exchange_precision="bfloat16")
+    net = make_net(updater=optax.sgd(0.1))
+    trainer = DistributedTrainer(client, net, master, progress=False)
+    trainer.fit(batches)
+    here = _outer_loop_here(make_net, batches, 2, 2, 0.1, optax.sgd(**NESTEROV), moves=True)
+    for x, y in zip(_floats(net.state.params), _floats(here.params)):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+    # each round fetched the peer's moves in 16 bits an element
+    elements = sum(np.size(x) for x in jax.tree_util.tree_leaves(net.state.params))  # sgd keeps no state
+    assert [s["bytes_received"] for s in trainer.last_fit_stats] == [2 * 2 * elements] * 4
 
 
 def test_a_resumed_fit_continues_the_outer_state_exactly(client, make_net, digits, tmp_path):
