@@ -171,6 +171,11 @@ def test_moves_in_bfloat16_under_the_nesterov_outer_loop_equal_the_same_loop_com
     # each round fetched the peer's moves in 16 bits an element
     elements = sum(np.size(x) for x in jax.tree_util.tree_leaves(net.state.params))  # sgd keeps no state
     assert [s["bytes_received"] for s in trainer.last_fit_stats] == [2 * 2 * elements] * 4
+    # a ParallelWrapper over two devices computes the same rounds
+    on_devices = make_net(updater=optax.sgd(0.1))
+    dlspark.ParallelWrapper(on_devices, master, devices=2, progress=False).fit(batches)
+    for x, y in zip(_floats(on_devices.state.params), _floats(here.params)):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
 
 
 def test_a_resumed_fit_continues_the_outer_state_exactly(client, make_net, digits, tmp_path):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._mesh import FitOutcome, by_device, first, lead, replica_rngs
+from ..._mesh import FitOutcome, by_device, first, is_averaged, lead, replica_rngs
 from ...network import one_shape
 from ...stats._record import RoundStats, iteration_rows
 from ._messages import AveragingFigures
@@ -133,14 +133,33 @@ def _policy_step(net, master, stacked: bool = False):
     return steps.checked_steps if stacked else steps.checked_step
 
 
+def _floats(tree) -> list:
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_averaged(x)]
+
+
+def _with_floats(tree, values):
+    """``tree`` with its floating leaves replaced by ``values``, each in its leaf's dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    at = [i for i, x in enumerate(leaves) if is_averaged(x)]
+    for i, x in zip(at, values, strict=True):
+        leaves[i] = x.astype(leaves[i].dtype)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def _round_function(net, master, exchange, fit: bool):
     """The compiled round: with ``fit``, every replica starts the round and runs its stacked
     minibatches, then the replicas average and take the outer step; without, the replicas
-    (already fitted) only average."""
+    (already fitted) only average. With ``exchange_precision="bfloat16"`` the outer slot also
+    carries the round's start and the replica's residual, and the mean is the start plus the
+    mean of the replicas' moves rounded to bfloat16, as a cluster's workers compute it
+    (``_numerics.encode_moves``, ``mean_of_moves``)."""
     tx, run_steps = master.outer_updater, _policy_step(net, master, stacked=True)
+    moves = master.exchange_precision == "bfloat16"
 
     def before(state, outer, batches, start, epoch, contributes, n):
         st, ost = first(state), first(outer)
+        if moves:
+            ost, theta, residual = ost
         losses = oks = jnp.zeros((0,))
         if fit:
             start = st.params
@@ -150,17 +169,32 @@ def _round_function(net, master, exchange, fit: bool):
         else:
             start = first(start)
         # in a fitting call every replica has minibatches: all of them contribute
+        if moves:  # the move in bfloat16; a replica without minibatches sends none, keeps its residual
+            takes = True if fit else contributes[0]
+            d = [y.astype(jnp.float32) - t + r
+                 for y, t, r in zip(_floats(averaged_part(st, master.save_updater)), theta, residual, strict=True)]
+            q = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in d]
+            residual = [jnp.where(takes, x - y, r) for x, y, r in zip(d, q, residual, strict=True)]
+            parts = [jnp.where(takes, y, jnp.zeros_like(y)) for y in q]
+            return (st, ost, start, losses, oks, n, theta, residual), parts
         parts = exchange.mean_parts(averaged_part(st, master.save_updater), None if fit else contributes[0])
         return (st, ost, start, losses, oks, n), parts
 
     def after(kept, sums):
-        st, ost, start, losses, oks, n = kept
-        mean = exchange.mean_of(averaged_part(st, master.save_updater), sums, n)
+        st, ost, start, losses, oks, n = kept[:6]
+        if moves:
+            theta, residual = kept[6:]
+            theta = [t + x / n.astype(x.dtype) for t, x in zip(theta, sums, strict=True)]
+            mean = _with_floats(averaged_part(st, master.save_updater), theta)
+        else:
+            mean = exchange.mean_of(averaged_part(st, master.save_updater), sums, n)
         # without save_updater each replica keeps its own updater state (reset next round)
         st = mean if master.save_updater else mean.replace(opt_state=st.opt_state)
         if tx is not None:
             params, ost = outer_step(tx, start, st.params, ost)
             st = st.replace(params=params)
+        if moves:  # the next round's moves are taken from where it starts: this state, in float32
+            ost = (ost, [x.astype(jnp.float32) for x in _floats(averaged_part(st, master.save_updater))], residual)
         return lead(st), lead(ost), losses[None], oks[None]
 
     # an averaging-only call's state shares buffers with its round-start parameters: no donation
@@ -183,13 +217,15 @@ def _step_function(net, master, exchange, first_step: bool, donate: bool):
     return exchange.spmd(local, replicated=(2,), donate=(0,) if donate else ())
 
 
-def _equivalent_bytes(full: int, floats: int, n: int, receivers: int) -> int:
+def _equivalent_bytes(full: int, floats: int, n: int, receivers: int, moves: bool = False) -> int:
     """What a cluster's replicas would have received for this round's mean (its ``bytes_received``):
     with two contributors every replica fetches the others' states, with three or more each
-    contributor reduces a share of the floats and every replica gathers the shares."""
+    contributor reduces a share of the floats and every replica gathers the shares. With
+    ``moves`` (``exchange_precision="bfloat16"``) the contributions, and so what a share is
+    reduced from, take half of that; the gathered means do not."""
     if n <= 2:
-        return n * (receivers - 1) * full
-    return 2 * (n - 1) * floats + (receivers - n) * floats
+        return n * (receivers - 1) * (full // 2 if moves else full)
+    return (n - 1) * (floats // 2 if moves else floats) + (n - 1) * floats + (receivers - n) * floats
 
 
 class AveragingDeviceRun:
@@ -218,7 +254,16 @@ class AveragingDeviceRun:
         carried = self.rt.algorithm_state.get("outer_state")
         outer = () if tx is None else jax.tree_util.tree_map(
             lambda x: np.stack([np.asarray(x)] * n), tx.init(state.params) if carried is None else carried)
+        if self.master.exchange_precision == "bfloat16":  # the first round's start, and no residual yet
+            start = _floats(averaged_part(host, self.master.save_updater))
+            theta = [np.stack([np.asarray(x, np.float32)] * n) for x in start]
+            outer = (outer, theta, [np.zeros_like(t) for t in theta])
         return self.exchange.put(stacked), self.exchange.put(outer)
+
+    def _outer_state(self, outer):
+        """The outer optimizer's part of the outer slot (which also carries the moves' start and
+        residual with ``exchange_precision="bfloat16"``)."""
+        return outer[0] if self.master.exchange_precision == "bfloat16" else outer
 
     def fit(self, refs, partitions, epochs, skip=(), saved_rngs=None, epochs_done=0, epochs_total=None,
             checkpoint_every=None, checkpoint_url=None) -> FitOutcome:
@@ -232,6 +277,7 @@ class AveragingDeviceRun:
         leaves = jax.tree_util.tree_leaves(net.state)
         mixed = sum(leaves[i].nbytes for i in averaged_indices(net.state, master.save_updater))
         sizes = (mixed, mixed)  # a cluster's contribution carries the averaged leaves only
+        moves = master.exchange_precision == "bfloat16"
         stats: list = []
         pending, last = None, [time.perf_counter(), 0.0]
 
@@ -249,7 +295,7 @@ class AveragingDeviceRun:
             per = item["examples"] // max(1, len(flat))  # the round's examples, shared among its minibatches
             steps = {r: [(float(x), per) for x in row_l] for r, row_l in enumerate(rows) if len(row_l)}
             stat = self._round_stats(item, kept, time.perf_counter() - last[0], time.perf_counter() - t_call,
-                                     rounds.wait - last[1], sizes)
+                                     rounds.wait - last[1], sizes, moves)
             stat["iterations"] = iteration_rows(done_before, item["plan"].epoch, steps,
                                                 {r: stat["fit_time_max"] for r in steps})
             last[:] = [time.perf_counter(), rounds.wait]
@@ -273,7 +319,7 @@ class AveragingDeviceRun:
                     prog = dict(item["progress"], epoch=epochs_done + item["progress"]["epoch"],
                                 epochs_total=epochs_total)
                     rngs = [np.asarray(x).tolist() for x in np.asarray(state.rng)]
-                    aux = None if master.outer_updater is None else ex.replica(outer)
+                    aux = None if master.outer_updater is None else ex.replica(self._outer_state(outer))
                     self.rt.write_checkpoint(checkpoint_url, ex.replica(state), step=base_step + item["trained_total"],
                                              epoch=base_epoch + item["epoch_after"], progress=prog, worker_rngs=rngs,
                                              aux=aux)
@@ -284,7 +330,7 @@ class AveragingDeviceRun:
         trained = stats[-1]["trained_total"] if stats else 0
         final = jax.tree_util.tree_map(jnp.asarray, ex.replica(state).replace(
             step=np.int32(base_step + trained), epoch=np.int32(base_epoch + epochs)))
-        carried = None if master.outer_updater is None else ex.replica(outer)
+        carried = None if master.outer_updater is None else ex.replica(self._outer_state(outer))
         return FitOutcome(final, stats, carried=carried)
 
     def _round(self, state, outer, item, epoch):
@@ -337,7 +383,7 @@ class AveragingDeviceRun:
         state, outer, _, _ = self._function(False)(fitted, outer, (), state.params, epoch, mask, n)
         return state, outer, losses, oks
 
-    def _round_stats(self, item, losses, round_time, call_time, wait, sizes):
+    def _round_stats(self, item, losses, round_time, call_time, wait, sizes, moves=False):
         """A round's statistics, with the cluster's keys."""
         plan, n = item["plan"], len(item["plan"].contributors)
         flat = [x for row in losses for x in row]
@@ -347,4 +393,4 @@ class AveragingDeviceRun:
             worker_fit_time={r: call_time for r in plan.contributors},
             worker_steps={r: len(losses[r]) for r in plan.contributors},
             data_wait={r: wait for r in plan.contributors}, trained_total=item["trained_total"], attempts=0,
-            extra=AveragingFigures(bytes_equivalent=_equivalent_bytes(*sizes, n, len(self.exchange))))
+            extra=AveragingFigures(bytes_equivalent=_equivalent_bytes(*sizes, n, len(self.exchange), moves)))
