@@ -227,6 +227,9 @@ OPTIONS = {
     # move (parameters and Adam's moments) in bfloat16 with error feedback, half of the bytes a
     # round's exchange moves; its accuracy before building it (wrapper runtime only)
     "averaging-bf16": ("averaging", {"bf16_mean": True}),
+    # the same as dlspark's option (ParameterAveraging(exchange_precision="bfloat16")), built
+    # after the prototype's figures: on the wrapper it gives the prototype's bits
+    "averaging-exchange-bf16": ("averaging", {"exchange_precision": "bfloat16"}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
