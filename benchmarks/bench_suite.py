@@ -223,13 +223,12 @@ OPTIONS = {
     "averaging-eager": ("averaging", {"eager_mean": True}),
     # the same with only the parameters' peer shares late, Adam's moments averaged at once
     "averaging-eager-params": ("averaging", {"eager_params_mean": True}),
-    # a diagnostic, not a dlspark option: parameter averaging whose replicas send their round's
-    # move (parameters and Adam's moments) in bfloat16 with error feedback, half of the bytes a
-    # round's exchange moves; its accuracy before building it (wrapper runtime only)
-    "averaging-bf16": ("averaging", {"bf16_mean": True}),
-    # the same as dlspark's option (ParameterAveraging(exchange_precision="bfloat16")), built
-    # after the prototype's figures: on the wrapper it gives the prototype's bits
-    "averaging-exchange-bf16": ("averaging", {"exchange_precision": "bfloat16"}),
+    # parameter averaging whose replicas send their round's move (parameters and Adam's moments)
+    # in bfloat16 with error feedback, half of the bytes a round's exchange moves: first measured
+    # as a ParallelWrapper prototype of the same arithmetic (its figures filed in
+    # docs/_data/bench_suite_bf16.json), now dlspark's option, which gave those figures to the
+    # last digit where checked (docs/benchmarks/parity-suite.md); the prototype's code is gone
+    "averaging-bf16": ("averaging", {"exchange_precision": "bfloat16"}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}
@@ -683,72 +682,6 @@ def _eager_round_function(net, master, exchange, fit: bool, lag_updater: bool = 
     return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
 
 
-def _bf16_round_function(net, master, exchange, fit: bool):
-    """The wrapper's round with each replica's contribution sent as its move from the round's
-    start in bfloat16, with error feedback. The carry holds ``(theta, residual)``: the round's
-    starting point (the same on every replica) and what this replica's earlier moves lost to the
-    rounding. A round trains from ``theta`` to ``y``; ``d = y - theta + residual`` is sent as
-    ``q = bfloat16(d)`` and ``d - q`` kept; every replica then starts the next round from
-    ``theta + mean(q)``, the same on each, as a cluster's replicas would that fetched each
-    other's ``q`` (half of float32's bytes) and summed them in one order. A replica with no
-    minibatch in the round sends nothing and keeps its residual."""
-    import jax.numpy as jnp
-
-    from dlspark._mesh import first, lead
-
-    fitted, floats, with_floats = _round_pieces(net, master, fit)
-
-    def before(state, carry, batches, start, epoch, contributes, n):
-        st, losses, oks = fitted(state, batches, epoch)
-        theta, residual = first(carry)
-        d = [y.astype(jnp.float32) - t + r for y, t, r in zip(floats(st), theta, residual, strict=True)]
-        q = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in d]
-        takes = True if fit else contributes[0]
-        kept_residual = [jnp.where(takes, x - y, r) for x, y, r in zip(d, q, residual, strict=True)]
-        parts = [jnp.where(takes, y, jnp.zeros_like(y)) for y in q]
-        return (st, theta, kept_residual, losses, oks, n), parts
-
-    def after(kept, sums):
-        st, theta, residual, losses, oks, n = kept
-        new = [t + s / n.astype(s.dtype) for t, s in zip(theta, sums, strict=True)]
-        return lead(with_floats(st, new)), lead((new, residual)), losses[None], oks[None]
-
-    return exchange.spmd_summed(before, after, replicated=(4, 6), donate=(0, 1) if fit else ())
-
-
-@contextlib.contextmanager
-def _bf16_mean():
-    """Within: the ParallelWrapper's parameter averaging takes the mean of the replicas' moves
-    sent in bfloat16 with error feedback (the diagnostic run ``averaging-bf16``; see
-    :func:`_bf16_round_function`): what averaging's exchange at half the bytes would train to.
-    The carry starts with the fit's initial state and no residual. A replacement of pieces of
-    the library's device run for the benchmark's diagnostics alone: dlspark has no such option."""
-    import numpy as np
-
-    from dlspark.algorithms.averaging import _device
-
-    run = _device.AveragingDeviceRun
-    saved = _device._round_function, run._replicate
-    if getattr(run, "_bf16", False):
-        raise RuntimeError("the bfloat16 mean is already in place")
-
-    def replicate(self, state, saved_rngs):
-        if self.master.outer_updater is not None:
-            raise ValueError("the bfloat16 mean's diagnostic takes no outer_updater: its slot holds its carry")
-        stacked, _ = saved[1](self, state, saved_rngs)
-        n = len(self.exchange)
-        theta = [np.stack([np.asarray(x, np.float32)] * n) for x in _floats(state, self.master.save_updater)]
-        return stacked, self.exchange.put((theta, [np.zeros_like(x) for x in theta]))
-
-    _device._round_function = _bf16_round_function
-    run._replicate, run._bf16 = replicate, True
-    try:
-        yield
-    finally:
-        _device._round_function, run._replicate = saved
-        run._bf16 = False
-
-
 @contextlib.contextmanager
 def _late_mean(eager: bool | str = False):
     """Within: the ParallelWrapper's parameter averaging applies each round's mean a round late
@@ -810,7 +743,7 @@ def _late_mean(eager: bool | str = False):
 
 #: the options of the diagnostic runs in OPTIONS that replace a piece of the ParallelWrapper's
 #: step, and the context each of their fits runs within
-WRAPPER_ONLY = {"unencoded": _unencoded, "late_mean": _late_mean, "bf16_mean": _bf16_mean,
+WRAPPER_ONLY = {"unencoded": _unencoded, "late_mean": _late_mean,
                 "eager_mean": functools.partial(_late_mean, eager=True),
                 "eager_params_mean": functools.partial(_late_mean, eager="params")}
 

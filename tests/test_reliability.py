@@ -486,30 +486,30 @@ def test_direct_minibatches_survive_a_killed_worker(client2, make_net, digits):
     time.sleep(4.5)
     assert [len(v) for v in client2.who_has(m.keep).values()] == [2, 2, 2, 2]
     del m
-    on_round, killed = kill_at_round(client2, 2)
-    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, training_approach="direct")
-    trainer = DistributedTrainer(client2, make_net(), master, progress=False)
-    trainer.fit(tr[:640], epochs=3, callbacks=[on_round])  # 20 minibatches, 5 rounds an epoch
-    assert killed.is_set()
-    per_epoch = {}
-    for s in trainer.last_fit_stats:
-        per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
+    trainer, per_epoch = _fit_through_a_kill(client2, make_net, tr, 3, training_approach="direct")
     assert per_epoch == {0: 20, 1: 20, 2: 20}
     assert trainer.network.iteration == 60
 
 
-def test_moves_in_bfloat16_survive_a_killed_worker(client2, make_net, digits):
+def _fit_through_a_kill(client, make_net, tr, epochs, **options):
+    """A fit of 640 digits (20 minibatches, 5 rounds an epoch at frequency 2) whose second round
+    kills a worker: the trainer, and the minibatches each epoch trained."""
     from conftest import kill_at_round
 
-    tr, _ = digits
-    on_round, killed = kill_at_round(client2, 2)
-    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, exchange_precision="bfloat16")
-    trainer = DistributedTrainer(client2, make_net(), master, progress=False)
-    trainer.fit(tr[:640], epochs=2, callbacks=[on_round])  # 20 minibatches, 5 rounds an epoch
+    on_round, killed = kill_at_round(client, 2)
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, **options)
+    trainer = DistributedTrainer(client, make_net(), master, progress=False)
+    trainer.fit(tr[:640], epochs=epochs, callbacks=[on_round])
     assert killed.is_set()
     per_epoch = {}
     for s in trainer.last_fit_stats:
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
+    return trainer, per_epoch
+
+
+def test_moves_in_bfloat16_survive_a_killed_worker(client2, make_net, digits):
+    tr, _ = digits
+    trainer, per_epoch = _fit_through_a_kill(client2, make_net, tr, 2, exchange_precision="bfloat16")
     assert per_epoch == {0: 20, 1: 20} and trainer.network.iteration == 40
     # the survivor went on from the round's mean of rounded moves, which stays finite
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(trainer.network.params))
