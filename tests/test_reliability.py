@@ -474,8 +474,6 @@ def test_multi_output_network_trains_distributed_and_is_evaluated_per_output(cli
 
 # -- 11: direct minibatches live in two workers' memory, so a lost worker loses none ----------------
 def test_direct_minibatches_survive_a_killed_worker(client2, make_net, digits):
-    from conftest import kill_at_round
-
     import time
 
     from dlspark.data import SourceContext, fit_minibatches
