@@ -557,27 +557,19 @@ def _unencoded():
 
 def _floats(st, keep: bool) -> list:
     """The floating leaves a mean takes of ``st`` (``averaged_part(st, keep)``'s), in order."""
-    import jax
-
-    from dlspark._mesh import is_averaged
+    from dlspark._mesh import averaged_leaves
     from dlspark.algorithms.averaging._numerics import averaged_part
 
-    return [x for x in jax.tree_util.tree_leaves(averaged_part(st, keep)) if is_averaged(x)]
+    return averaged_leaves(averaged_part(st, keep))
 
 
 def _with_floats(st, values, keep: bool):
     """``st`` with the floating leaves a mean takes (``averaged_part(st, keep)``'s) replaced by
     ``values``, each in its leaf's dtype."""
-    import jax
-
-    from dlspark._mesh import is_averaged
+    from dlspark._mesh import with_averaged_leaves
     from dlspark.algorithms.averaging._numerics import averaged_part
 
-    leaves, treedef = jax.tree_util.tree_flatten(averaged_part(st, keep))
-    at = [i for i, x in enumerate(leaves) if is_averaged(x)]
-    for i, x in zip(at, values, strict=True):
-        leaves[i] = x.astype(leaves[i].dtype)
-    moved = jax.tree_util.tree_unflatten(treedef, leaves)
+    moved = with_averaged_leaves(averaged_part(st, keep), values)
     return moved if keep else moved.replace(opt_state=st.opt_state)
 
 

@@ -138,6 +138,20 @@ def is_averaged(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
+def averaged_leaves(tree) -> list:
+    """``tree``'s leaves that a mean takes (:func:`is_averaged`), in order."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_averaged(x)]
+
+
+def with_averaged_leaves(tree, values):
+    """``tree`` with the leaves a mean takes replaced by ``values``, each in its leaf's dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    at = [i for i, x in enumerate(leaves) if is_averaged(x)]
+    for i, x in zip(at, values, strict=True):
+        leaves[i] = x.astype(leaves[i].dtype)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 class MeshExchange:
     """The exchange between replicas on one process's devices.
 
@@ -174,8 +188,7 @@ class MeshExchange:
         it: ``tree``'s floating leaves in at least fp32, zero where this replica does not
         contribute (``contributes``: its flag; one that had no minibatch adds nothing).
         Integer leaves stay each replica's own."""
-        wide = [x.astype(jnp.promote_types(x.dtype, jnp.float32))
-                for x in jax.tree_util.tree_leaves(tree) if is_averaged(x)]
+        wide = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) for x in averaged_leaves(tree)]
         if contributes is not None:
             wide = [jnp.where(contributes, x, jnp.zeros_like(x)) for x in wide]
         return wide
@@ -186,11 +199,7 @@ class MeshExchange:
         ``n``: one divide (``n`` an argument: XLA would turn a division by a constant into a
         multiplication), then each leaf's dtype. With the sum in device order, the cluster's
         mean bit for bit."""
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        floats = [i for i, x in enumerate(leaves) if is_averaged(x)]
-        for i, s in zip(floats, sums):
-            leaves[i] = (s / n.astype(s.dtype)).astype(leaves[i].dtype)
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        return with_averaged_leaves(tree, [s / n.astype(s.dtype) for s in sums])
 
     def spmd(self, fn, replicated=(), donate=()):
         """``fn`` (one replica's view: every argument with a leading axis of length 1, except

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._mesh import FitOutcome, by_device, first, is_averaged, lead, replica_rngs
+from ..._mesh import FitOutcome, averaged_leaves, by_device, first, lead, replica_rngs, with_averaged_leaves
 from ...network import one_shape
 from ...stats._record import RoundStats, iteration_rows
 from ._messages import AveragingFigures
@@ -133,19 +133,6 @@ def _policy_step(net, master, stacked: bool = False):
     return steps.checked_steps if stacked else steps.checked_step
 
 
-def _floats(tree) -> list:
-    return [x for x in jax.tree_util.tree_leaves(tree) if is_averaged(x)]
-
-
-def _with_floats(tree, values):
-    """``tree`` with its floating leaves replaced by ``values``, each in its leaf's dtype."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    at = [i for i, x in enumerate(leaves) if is_averaged(x)]
-    for i, x in zip(at, values, strict=True):
-        leaves[i] = x.astype(leaves[i].dtype)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
 def _round_function(net, master, exchange, fit: bool):
     """The compiled round: with ``fit``, every replica starts the round and runs its stacked
     minibatches, then the replicas average and take the outer step; without, the replicas
@@ -172,7 +159,8 @@ def _round_function(net, master, exchange, fit: bool):
         if moves:  # the move in bfloat16; a replica without minibatches sends none, keeps its residual
             takes = True if fit else contributes[0]
             d = [y.astype(jnp.float32) - t + r
-                 for y, t, r in zip(_floats(averaged_part(st, master.save_updater)), theta, residual, strict=True)]
+                 for y, t, r in zip(averaged_leaves(averaged_part(st, master.save_updater)), theta, residual,
+                                    strict=True)]
             q = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in d]
             residual = [jnp.where(takes, x - y, r) for x, y, r in zip(d, q, residual, strict=True)]
             parts = [jnp.where(takes, y, jnp.zeros_like(y)) for y in q]
@@ -185,7 +173,7 @@ def _round_function(net, master, exchange, fit: bool):
         if moves:
             theta, residual = kept[6:]
             theta = [t + x / n.astype(x.dtype) for t, x in zip(theta, sums, strict=True)]
-            mean = _with_floats(averaged_part(st, master.save_updater), theta)
+            mean = with_averaged_leaves(averaged_part(st, master.save_updater), theta)
         else:
             mean = exchange.mean_of(averaged_part(st, master.save_updater), sums, n)
         # without save_updater each replica keeps its own updater state (reset next round)
@@ -194,7 +182,8 @@ def _round_function(net, master, exchange, fit: bool):
             params, ost = outer_step(tx, start, st.params, ost)
             st = st.replace(params=params)
         if moves:  # the next round's moves are taken from where it starts: this state, in float32
-            ost = (ost, [x.astype(jnp.float32) for x in _floats(averaged_part(st, master.save_updater))], residual)
+            ost = (ost, [x.astype(jnp.float32) for x in averaged_leaves(averaged_part(st, master.save_updater))],
+                   residual)
         return lead(st), lead(ost), losses[None], oks[None]
 
     # an averaging-only call's state shares buffers with its round-start parameters: no donation
@@ -255,7 +244,7 @@ class AveragingDeviceRun:
         outer = () if tx is None else jax.tree_util.tree_map(
             lambda x: np.stack([np.asarray(x)] * n), tx.init(state.params) if carried is None else carried)
         if self.master.exchange_precision == "bfloat16":  # the first round's start, and no residual yet
-            start = _floats(averaged_part(host, self.master.save_updater))
+            start = averaged_leaves(averaged_part(host, self.master.save_updater))
             theta = [np.stack([np.asarray(x, np.float32)] * n) for x in start]
             outer = (outer, theta, [np.zeros_like(t) for t in theta])
         return self.exchange.put(stacked), self.exchange.put(outer)
@@ -277,7 +266,6 @@ class AveragingDeviceRun:
         leaves = jax.tree_util.tree_leaves(net.state)
         mixed = sum(leaves[i].nbytes for i in averaged_indices(net.state, master.save_updater))
         sizes = (mixed, mixed)  # a cluster's contribution carries the averaged leaves only
-        moves = master.exchange_precision == "bfloat16"
         stats: list = []
         pending, last = None, [time.perf_counter(), 0.0]
 
@@ -295,7 +283,7 @@ class AveragingDeviceRun:
             per = item["examples"] // max(1, len(flat))  # the round's examples, shared among its minibatches
             steps = {r: [(float(x), per) for x in row_l] for r, row_l in enumerate(rows) if len(row_l)}
             stat = self._round_stats(item, kept, time.perf_counter() - last[0], time.perf_counter() - t_call,
-                                     rounds.wait - last[1], sizes, moves)
+                                     rounds.wait - last[1], sizes)
             stat["iterations"] = iteration_rows(done_before, item["plan"].epoch, steps,
                                                 {r: stat["fit_time_max"] for r in steps})
             last[:] = [time.perf_counter(), rounds.wait]
@@ -383,7 +371,7 @@ class AveragingDeviceRun:
         state, outer, _, _ = self._function(False)(fitted, outer, (), state.params, epoch, mask, n)
         return state, outer, losses, oks
 
-    def _round_stats(self, item, losses, round_time, call_time, wait, sizes, moves=False):
+    def _round_stats(self, item, losses, round_time, call_time, wait, sizes):
         """A round's statistics, with the cluster's keys."""
         plan, n = item["plan"], len(item["plan"].contributors)
         flat = [x for row in losses for x in row]
@@ -393,4 +381,5 @@ class AveragingDeviceRun:
             worker_fit_time={r: call_time for r in plan.contributors},
             worker_steps={r: len(losses[r]) for r in plan.contributors},
             data_wait={r: wait for r in plan.contributors}, trained_total=item["trained_total"], attempts=0,
-            extra=AveragingFigures(bytes_equivalent=_equivalent_bytes(*sizes, n, len(self.exchange), moves)))
+            extra=AveragingFigures(bytes_equivalent=_equivalent_bytes(
+                *sizes, n, len(self.exchange), self.master.exchange_precision == "bfloat16")))

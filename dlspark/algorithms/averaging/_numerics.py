@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 
 __all__ = ["average_leaves", "average_on_device", "is_averaged", "averaged_indices", "averaged_part", "start_round", "share_bounds", "share_pieces",
-           "take_share", "average_share", "assemble", "outer_step", "outer_state_from_arrays", "bfloat16_bits",
-           "from_bfloat16_bits", "encode_moves", "mean_move", "mean_of_moves", "mean_move_shares"]
+           "take_share", "average_share", "assemble", "outer_step", "outer_state_from_arrays", "encode_moves",
+           "mean_of_moves"]
 
 
 def is_averaged(a) -> bool:
@@ -149,17 +148,6 @@ def assemble(like: list, pieces: list, values: list) -> list:
 
 
 # -- moves in bfloat16 (exchange_precision="bfloat16") --------------------------------------
-def bfloat16_bits(x) -> np.ndarray:
-    """``x`` rounded to bfloat16 (to nearest, ties to even, as XLA's conversion), as the 16
-    bits of each element (``uint16``: a dtype every path that moves arrays knows)."""
-    return np.asarray(np.asarray(x, np.float32), dtype=ml_dtypes.bfloat16).view(np.uint16)
-
-
-def from_bfloat16_bits(bits) -> np.ndarray:
-    """The float32 values of bfloat16 bits (exact: bfloat16 is float32's upper half)."""
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
-
-
 @jax.jit
 def _encode(host, theta, residual):
     bits, kept = [], []
@@ -177,20 +165,9 @@ def encode_moves(leaves: list, theta: list, residual: list) -> tuple[list, list]
     float32), sent as ``bfloat16(d)``'s bits; returns ``(bits, d - bfloat16(d))``, the bits as
     host arrays, the second the residual the next round's moves carry, where the arguments
     lie (on a device, for a replica's own state). One compiled call, one pass over the
-    leaves; the same bits as :func:`bfloat16_bits` of ``d`` computed in numpy."""
+    leaves; the rounding is XLA's conversion (to nearest, ties to even)."""
     bits, kept = _encode(list(leaves), list(theta), list(residual))
     return [np.asarray(b) for b in bits], kept
-
-
-def mean_move(bits: list) -> np.ndarray:
-    """The mean of one leaf's moves (bfloat16 bits, one per contributor, in a fixed order):
-    summed in that order in float32, then one divide. Every replica that passes the same
-    moves in the same order gets the same bits."""
-    acc = from_bfloat16_bits(bits[0]).copy()
-    for b in bits[1:]:
-        np.add(acc, from_bfloat16_bits(b), out=acc)
-    np.divide(acc, np.float32(len(bits)), out=acc)
-    return acc
 
 
 @jax.jit
@@ -205,17 +182,14 @@ def _mean_of_moves(theta, columns, n):
 
 
 def mean_of_moves(theta: list, moves: list) -> list:
-    """``theta`` (the round's starting leaves, float32) plus the mean of the contributors'
-    moves (each a list of leaves' bfloat16 bits), as :func:`mean_move` computes it, in one
-    compiled call (``n`` an argument: XLA would turn a division by a constant into a
-    multiplication by its reciprocal, which rounds differently)."""
+    """``theta`` (the round's starting leaves, or the same slices of them, float32) plus the
+    mean of the contributors' moves (each a list of its leaves' or slices' bfloat16 bits, in a
+    fixed order): summed in that order in float32, one divide, then added, in one compiled
+    call (``n`` an argument: XLA would turn a division by a constant into a multiplication by
+    its reciprocal, which rounds differently). Every replica that passes the same moves in the
+    same order gets the same bits, whole leaves or slices."""
     columns = [[m[i] for m in moves] for i in range(len(theta))]
     return _mean_of_moves(list(theta), columns, np.float32(len(moves)))
-
-
-def mean_move_shares(shares: list) -> list:
-    """The mean move of each slice of a share (``shares[c]``: contributor c's slices' bits)."""
-    return [mean_move(list(parts)) for parts in zip(*shares)]
 
 
 # -- a replica's round ----------------------------------------------------------------

@@ -26,8 +26,8 @@ from ...distributed._messages import FitReply, Unavailable
 from ...network import one_shape
 from ._messages import AverageOrder, AverageReply, Contribution, Share, SharedContribution
 from ._numerics import (assemble, average_on_device, average_share, averaged_indices, encode_moves,
-                        mean_move_shares, mean_of_moves, outer_step, round_steps, settled_scale, share_bounds,
-                        share_pieces, start_round, take_share)
+                        mean_of_moves, outer_step, round_steps, settled_scale, share_bounds, share_pieces,
+                        start_round, take_share)
 
 __all__ = ["AveragingRun"]
 
@@ -456,8 +456,10 @@ class AveragingRun(WorkerRun):
                     parts.append(list(resp.leaves))
                     nbytes += sum(np.asarray(x).nbytes for x in parts[-1])
                 self.stats.mark("fetch", bytes=nbytes)
-                mean = mean_move_shares if self.moves else average_share
-                slot[1] = ("OK", await self.compute(mean, parts))
+                if self.moves:  # the share of the round's start plus the mean of its moves
+                    slot[1] = ("OK", await self.compute(self._share_of_moves, round, pieces, parts))
+                else:
+                    slot[1] = ("OK", await self.compute(average_share, parts))
                 self.stats.mark("average")
             finally:
                 if slot[1] is None:  # failed here: its waiters must not wait for their timeout
@@ -481,14 +483,15 @@ class AveragingRun(WorkerRun):
             all_pieces += share_pieces(sizes, *share_bounds(sizes, n, k))
             all_values += values
         self.stats.mark("fetch", bytes=nbytes - own_bytes)
-        if self.moves:  # the shares are the mean move: added to the round's start
-            theta = [np.asarray(t) for t in self.theta[round]]
-            all_values = [t + v for t, v in zip(take_share(theta, all_pieces), all_values, strict=True)]
         await self.compute(self._then_outer, round, self._set_floats, floats, all_pieces, all_values)
         self._drop_device_copy(round)
         self.stats.mark("average")
         return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
                             contributors=tuple(contributors))
+
+    def _share_of_moves(self, round, pieces, parts):
+        theta = take_share([np.asarray(t) for t in self.theta[round]], pieces)
+        return [np.asarray(x) for x in mean_of_moves(theta, parts)]
 
     # -- requests from peers ----------------------------------------------------------
     async def peer_contribution(self, round: int, share: list | None = None, shared: bool = False):
