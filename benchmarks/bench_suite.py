@@ -83,10 +83,14 @@ NO_WARMUP = {"sparsity_warmup": ()}
 ENCODED = {"own_update": "encoded", **NO_WARMUP}
 #: Deep Gradient Compression's sparsity warm-up (GradientSharing.DGC_SPARSITY_WARMUP), as measured
 DGC_WARMUP = (0.25, 0.0625, 0.015625, 0.00390625)
-#: parameter averaging's former default (DL4J's: the mean of the replicas' unscaled steps)
-UNSCALED = {"update_scale": 1.0}
+#: parameter averaging's former default (DL4J's: the mean of the replicas' unscaled steps; under
+#: an outer step, its rounds' steps unscaled too, as DiLoCo's and as the default was before 2026-11-30)
+UNSCALED = {"update_scale": 1.0, "outer_update_scale": 1.0}
 #: options measured against the defaults (run name -> (algorithm, its options)); not part of
-#: the default grid: name them in --algorithms (each is tabled against its algorithm with defaults)
+#: the default grid: name them in --algorithms (each is tabled against its algorithm with defaults).
+#: The runs with an outer step filed before 2026-11-30 took it after every round, an epoch's short
+#: last one included; run again they take it after full rounds only, as ParameterAveraging has
+#: since (its outer_updater), and their other rounds end in the plain mean.
 OPTIONS = {
     # gradient sharing as DL4J runs it: every replica applies its own encoded messages (the
     # default until own_update="whole" became it, 2026-11-27)
@@ -154,13 +158,20 @@ OPTIONS = {
     # fit's last three epochs at 5 with the plain mean of scaled steps, as in the run above:
     # does the outer step hold the rule where the closing epochs are averaged often?
     "averaging-f50-nesterov-last3-f5": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
-                                                      "frequent_epochs": ("last", 3)}),
+                                                      "outer_update_scale": 1.0, "frequent_epochs": ("last", 3)}),
     # the same over inner steps scaled by the square root of the workers (the outer step's best
     # measured at 50 throughout on tokens-attention at 4 workers): does the closing phase bring
     # that one within the rule?
     "averaging-f50-nesterov-sqrt-last3-f5": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
                                                            "update_scale_sqrt": True,
                                                            "frequent_epochs": ("last", 3)}),
+    # ParameterAveraging as it is since 2026-11-30 at 50 with the outer Nesterov step and the
+    # fit's last three epochs at 5, in one fit, with its defaults: only a full round (every
+    # replica fits 50 minibatches) takes the outer step, over inner updates times sqrt(n)
+    # (outer_update_scale's default); every other round, the closing epochs' included, ends in
+    # the plain mean of updates times n, as averaging-f50-final3's do
+    "averaging-f50-nesterov-final3": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
+                                                    "final_epochs": 3}),
     # the outer step at 50 in smaller measures, on the task where averaging at 50 misses most
     # (tokens-attention, 4 workers): how far a round moves, how the inner updates are scaled,
     # momentum and a decaying outer rate, each against the same rounds without an outer step
@@ -487,10 +498,10 @@ def run_setup(task, train, seed, run, workers):
     options = dict(options)
     scale = options.pop("lr_scale", None)
     factor = options.pop("update_scale_workers", False)
-    if factor:
-        options["update_scale"] = float(workers) * (1.0 if factor is True else factor)
+    if factor:  # every round's updates, those of a round that ends in an outer step too
+        options["update_scale"] = options["outer_update_scale"] = float(workers) * (1.0 if factor is True else factor)
     if options.pop("update_scale_sqrt", False):
-        options["update_scale"] = math.sqrt(workers)
+        options["update_scale"] = options["outer_update_scale"] = math.sqrt(workers)
     if options.pop("outer_rate", None) == "workers":
         import optax
 

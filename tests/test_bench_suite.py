@@ -71,9 +71,9 @@ def test_options_build_their_masters_and_are_paired_with_their_algorithms_defaul
             elif k == "outer":  # a named outer updater, made when the run starts
                 assert master.outer_updater is not None, name
             elif k == "update_scale_workers":  # the updates times the workers (or a factor of them), outer step or not
-                assert master.update_scale == 2.0 * (1.0 if v is True else v), name
-            elif k == "update_scale_sqrt":  # the updates times the square root of the workers
-                assert master.update_scale == pytest.approx(2.0 ** 0.5), name
+                assert master.update_scale == master.outer_update_scale == 2.0 * (1.0 if v is True else v), name
+            elif k == "update_scale_sqrt":  # the updates times the square root of the workers, outer step or not
+                assert master.update_scale == master.outer_update_scale == pytest.approx(2.0 ** 0.5), name
             elif k == "outer_cosine":  # an outer SGD rate falling from 1 to 0 over the fit's rounds
                 tx, g = master.outer_updater, np.ones(3, np.float32)
                 rounds = bench_suite.fit_rounds(task, train, options, 2)

@@ -3,7 +3,8 @@
 The parameters after each averaging are the round-start parameters moved by the
 outer optimizer's update of (start - mean). Tested: ``None`` is the mean bit for
 bit; ``optax.sgd(1.0)`` the mean to float32 rounding; Nesterov momentum equals
-the same outer loop computed here; a resumed fit continues the outer state exactly.
+the same outer loop computed here; only a full round takes the outer step; a resumed fit
+continues the outer state exactly.
 """
 
 import asyncio
@@ -94,13 +95,17 @@ def test_without_outer_updater_the_mean_bit_for_bit_and_sgd_one_to_rounding(clie
     assert any(not np.allclose(x, s) for x, s in zip(_floats(states[0].params), start))  # it trained
 
 
-def _outer_loop_here(make_net, batches, workers, freq, lr, outer, moves=False):
+def _outer_loop_here(make_net, batches, workers, freq, lr, outer, moves=False, outer_lr=None, every_round=False):
     """The job's arithmetic in this process: each round every worker fits its share of the
-    round's minibatches from the same start, the states are averaged, and the outer
-    optimizer moves the round-start parameters by its update of (start - mean). With
-    ``moves``, the mean is the start plus the mean of the workers' moves in bfloat16, each
-    worker's rounding error carried into its next move (``exchange_precision="bfloat16"``)."""
+    round's minibatches from the same start, the states are averaged, and, after a full round
+    (every worker fitted ``freq`` minibatches; with ``every_round`` after any), the outer
+    optimizer moves the round-start parameters by its update of (start - mean). A round that
+    takes the outer step trains at SGD's rate ``outer_lr`` (default ``lr``), any other at
+    ``lr``. With ``moves``, the mean is the start plus the mean of the workers' moves in
+    bfloat16, each worker's rounding error carried into its next move
+    (``exchange_precision="bfloat16"``)."""
     net = make_net(updater=optax.sgd(lr))
+    at_outer_lr = make_net(updater=optax.sgd(lr if outer_lr is None else outer_lr))
     state = jax.tree_util.tree_map(np.asarray, net.state)
     outer_state = None if outer is None else outer.init(state.params)
     plan = Coordinator([0] * len(batches), 1, freq)
@@ -108,11 +113,13 @@ def _outer_loop_here(make_net, batches, workers, freq, lr, outer, moves=False):
     mixed = averaged_indices(state, True)
     residuals = {}
     while (p := plan.plan_round(names)) is not None:
+        takes_outer = outer is not None and (every_round or min(len(p.assignment[w]) for w in p.contributors) >= freq)
+        steps = (at_outer_lr if takes_outer else net).steps
         fitted = []
         for w in names:
             st = jax.tree_util.tree_map(np.copy, state)
             for i in p.assignment[w]:
-                st = net.steps.train_step(st, jax.tree_util.tree_map(np.asarray, batches[i].jit_batch())).state
+                st = steps.train_step(st, jax.tree_util.tree_map(np.asarray, batches[i].jit_batch())).state
             fitted.append(jax.tree_util.tree_leaves(st))
         plan.complete_round(p, names)
         treedef = jax.tree_util.tree_structure(state)
@@ -130,7 +137,7 @@ def _outer_loop_here(make_net, batches, workers, freq, lr, outer, moves=False):
             mean = jax.tree_util.tree_unflatten(treedef, leaves)
         else:
             mean = jax.tree_util.tree_unflatten(treedef, average_leaves(fitted[0], fitted))
-        if outer is not None:
+        if takes_outer:
             params, outer_state = outer_step(outer, state.params, mean.params, outer_state)
             mean = mean.replace(params=params)
         state = jax.tree_util.tree_map(np.asarray, mean)
@@ -141,7 +148,7 @@ def test_nesterov_outer_loop_equals_the_same_loop_computed_here(client, make_net
     tr, _ = digits
     batches = tr[:512].batches(32)  # 16 minibatches: 4 rounds of 2 workers x 2
     master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2,
-                                outer_updater=optax.sgd(**NESTEROV), update_scale=1.0)
+                                outer_updater=optax.sgd(**NESTEROV), outer_update_scale=1.0)
     net = make_net(updater=optax.sgd(0.1))
     trainer = DistributedTrainer(client, net, master, progress=False)
     trainer.fit(batches)
@@ -160,7 +167,7 @@ def test_nesterov_outer_loop_equals_the_same_loop_computed_here(client, make_net
 def test_moves_in_bfloat16_under_the_nesterov_outer_loop_equal_the_same_loop_computed_here(client, make_net, digits):
     tr, _ = digits
     batches = tr[:512].batches(32)  # 16 minibatches: 4 rounds of 2 workers x 2
-    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, update_scale=1.0,
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, outer_update_scale=1.0,
                                 outer_updater=optax.sgd(**NESTEROV), exchange_precision="bfloat16")
     net = make_net(updater=optax.sgd(0.1))
     trainer = DistributedTrainer(client, net, master, progress=False)
@@ -176,6 +183,34 @@ def test_moves_in_bfloat16_under_the_nesterov_outer_loop_equal_the_same_loop_com
     dlspark.ParallelWrapper(on_devices, master, devices=2, progress=False).fit(batches)
     for x, y in zip(_floats(on_devices.state.params), _floats(here.params)):
         np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("runtime", ["cluster", "wrapper"])
+def test_only_a_full_round_takes_the_outer_step(client, make_net, digits, runtime):
+    """A round in which a worker fits fewer than ``averaging_frequency`` minibatches (here the
+    epoch's last) ends in the plain mean of steps at ``update_scale`` (the workers, 2), the
+    outer state left as it was; a full round trains at ``outer_update_scale`` (sqrt(2) by
+    default) and ends in the outer step. The same rounds on a cluster and a ParallelWrapper."""
+    tr, _ = digits
+    batches = tr[:448].batches(32)  # 14 minibatches: 3 full rounds of 2 workers x 2, then 1 each
+    tx = optax.sgd(**NESTEROV)
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, outer_updater=tx)
+    net = make_net(updater=optax.sgd(0.1))
+    if runtime == "cluster":
+        trainer = DistributedTrainer(client, net, master, progress=False)
+        trainer.fit(batches)
+        assert [s["workers"] for s in trainer.last_fit_stats] == [2] * 4
+    else:
+        dlspark.ParallelWrapper(net, master, devices=2, progress=False).fit(batches)
+    here = _outer_loop_here(make_net, batches, 2, 2, 0.2, tx, outer_lr=0.1 * np.sqrt(2))
+    for x, y in zip(_floats(net.state.params), _floats(here.params)):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+    # what the fit did not do: the outer step after the short round too, or every round at one rate
+    for other in (_outer_loop_here(make_net, batches, 2, 2, 0.2, tx, outer_lr=0.1 * np.sqrt(2), every_round=True),
+                  _outer_loop_here(make_net, batches, 2, 2, 0.1 * np.sqrt(2), tx),
+                  _outer_loop_here(make_net, batches, 2, 2, 0.2, tx)):
+        assert any(not np.allclose(x, y, rtol=1e-3, atol=1e-4)
+                   for x, y in zip(_floats(net.state.params), _floats(other.params)))
 
 
 def test_a_resumed_fit_continues_the_outer_state_exactly(client, make_net, digits, tmp_path):
@@ -229,20 +264,25 @@ def test_outer_updater_must_be_an_optax_transformation():
 def test_update_scale_must_be_workers_or_a_positive_number(scale):
     with pytest.raises(ValueError, match='update_scale must be "workers" or a positive finite number'):
         ParameterAveraging(update_scale=scale)
+    with pytest.raises(ValueError, match='outer_update_scale must be "sqrt" or a positive finite number'):
+        ParameterAveraging(outer_update_scale=scale)
 
 
 def test_update_scale_is_settled_for_the_workers_before_a_run():
     master = ParameterAveraging()
     assert master.update_scale == "workers" and master.for_workers(3).update_scale == 3.0
     assert ParameterAveraging(update_scale=0.5).for_workers(3).update_scale == 0.5
-    # under an outer optimizer the outer step sets how far a round moves: the inner rate is one worker's
-    outer = ParameterAveraging(outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True))
-    assert outer.for_workers(3).update_scale == 1.0
-    assert ParameterAveraging(outer_updater=optax.sgd(1.0), update_scale=3.0).for_workers(3).update_scale == 3.0
+    # a round that ends in the outer step trains at the square root of the workers' rate by default
+    outer = ParameterAveraging(outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True)).for_workers(4)
+    assert (outer.update_scale, outer.outer_update_scale) == (4.0, 2.0)
+    assert ParameterAveraging(outer_update_scale=0.5).for_workers(3).outer_update_scale == 0.5
     from dlspark.algorithms.averaging._numerics import settled_scale
 
-    with pytest.raises(ValueError, match="settled when a fit starts"):
+    assert (settled_scale(outer), settled_scale(outer, outer=True)) == (4.0, 2.0)
+    with pytest.raises(ValueError, match="update_scale='workers' is settled when a fit starts"):
         settled_scale(master)
+    with pytest.raises(ValueError, match="outer_update_scale='sqrt' is settled when a fit starts"):
+        settled_scale(master, outer=True)
 
 
 def test_default_update_scale_is_the_rate_times_the_workers(client, make_net, digits):

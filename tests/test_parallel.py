@@ -137,16 +137,17 @@ def test_outer_optimizer_equals_the_outer_loop_by_hand_and_is_carried(make_net, 
     batches = tr[:384].batches(32)
     tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
     net = make_net(updater=optax.sgd(0.1))
-    # under an outer optimizer update_scale="workers" is 1: the inner rate is one worker's (DiLoCo's)
+    # every round is full (takes the outer step), each replica at one worker's rate (DiLoCo's)
     expected, ost = _by_hand(make_net(updater=optax.sgd(0.1)), batches, 2, 2, tx=tx)
-    wrapper = ParallelWrapper(net, ParameterAveraging(averaging_frequency=2, outer_updater=tx), CPU2, progress=False)
+    wrapper = ParallelWrapper(net, ParameterAveraging(averaging_frequency=2, outer_updater=tx, outer_update_scale=1.0),
+                              CPU2, progress=False)
     wrapper.fit(batches)
     _close(net.state.params, expected.params, rtol=1e-4, atol=1e-6)
     _close(wrapper.outer_state, ost, rtol=1e-4, atol=1e-6)
     # sgd(1.0) is plain averaging of unscaled steps, to float rounding
     a, b = make_net(updater=optax.sgd(0.1)), make_net(updater=optax.sgd(0.1))
-    ParallelWrapper(a, ParameterAveraging(averaging_frequency=2, outer_updater=optax.sgd(1.0)), CPU2,
-                    progress=False).fit(batches)
+    ParallelWrapper(a, ParameterAveraging(averaging_frequency=2, outer_updater=optax.sgd(1.0), outer_update_scale=1.0),
+                    CPU2, progress=False).fit(batches)
     ParallelWrapper(b, ParameterAveraging(averaging_frequency=2, update_scale=1.0), CPU2, progress=False).fit(batches)
     _close(a.state.params, b.state.params, rtol=1e-5, atol=1e-6)
 

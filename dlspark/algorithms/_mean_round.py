@@ -77,6 +77,8 @@ class MeanRoundDriver(RoundDriver):
     order: ClassVar[type[MeanOrder]] = MeanOrder
     #: where a worker's ``FitReply.extra`` holds the reply to the mean it took after its fit
     reply_key: ClassVar[str] = "mean"
+    #: a fit order's plan (a :class:`MeanWith`)
+    plan: ClassVar[type[MeanWith]] = MeanWith
 
     def __init__(self, options: JobOptions):
         super().__init__(options)
@@ -86,19 +88,26 @@ class MeanRoundDriver(RoundDriver):
         #: worker -> the reply to its latest mean of the round
         self.means: dict = {}
         self.fitted = False
+        self.extra: dict = {}
+
+    def round_options(self, plan) -> dict:
+        """What a round's plan and mean orders carry beyond its contributors, as their fields
+        (a subclass's; none here)."""
+        return {}
 
     def begin(self, plan, hint: dict, live: frozenset) -> list:
         self.round, self.expected = plan.round, tuple(plan.contributors)
         self.fits, self.means, self.fitted = {}, {}, False
+        self.extra = self.round_options(plan)
         epoch = self.options.base_epoch + plan.epoch
         orders: list = []
         for w in sorted(live):
             refs = tuple(plan.assignment.get(w) or ())
             if refs:
                 orders.append((w, FitOrder(round=plan.round, epoch=epoch, refs=refs, next_refs=tuple(hint.get(w, ())),
-                                           plan=MeanWith(self.expected))))
+                                           plan=self.plan(self.expected, **self.extra))))
             else:
-                orders.append((w, self.order(plan.round, self.expected, 0)))
+                orders.append((w, self.order(plan.round, self.expected, 0, **self.extra)))
         return orders
 
     def step(self, replies: dict[str, Reply], live: frozenset, attempt: int):
@@ -113,4 +122,4 @@ class MeanRoundDriver(RoundDriver):
         if list(self.expected) == self.contributors and all(_took_mean(replies.get(w)) for w in receivers):
             return RoundDone(tuple(self.contributors))
         self.expected = tuple(self.contributors)
-        return [(w, self.order(self.round, self.expected, attempt)) for w in receivers]
+        return [(w, self.order(self.round, self.expected, attempt, **self.extra)) for w in receivers]

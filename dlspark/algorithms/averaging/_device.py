@@ -17,6 +17,7 @@ import math
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -122,12 +123,14 @@ class _Rounds:
 
 
 def _policy_step(net, master, stacked: bool = False):
-    """The step a replica runs (its updates times the master's ``update_scale``): under
+    """The step a replica runs (its updates times the master's ``update_scale``, or its
+    ``outer_update_scale`` where the master has an outer optimizer: a round's master, see
+    ``AveragingDeviceRun.round_master``): under
     ``on_nonfinite="skip"`` ``train_step``, whose guard
     leaves a bad step out; else ``checked_step``, which only flags it (the fit then raises
     and leaves the network as it was, so there is nothing to undo). ``stacked``: the same
     over stacked minibatches."""
-    steps = round_steps(net, settled_scale(master))
+    steps = round_steps(net, settled_scale(master, outer=master.outer_updater is not None))
     if net.on_nonfinite == "skip":
         return steps.train_steps if stacked else steps.train_step
     return steps.checked_steps if stacked else steps.checked_step
@@ -225,14 +228,27 @@ class AveragingDeviceRun:
         self.net, self.master, self.exchange = runtime.network, runtime.master, runtime.exchange
         # compiled functions are kept by the wrapper: its later fits reuse them
         self._functions = runtime.cache
+        self._plain = None  # the master of a round that ends in the plain mean (round_master)
 
-    def _function(self, kind):
-        key = (kind, self.master)  # a master's settings shape its functions
+    def _function(self, kind, master):
+        key = (kind, master)  # a master's settings shape its functions
         if key not in self._functions:
-            self._functions[key] = (_step_function(self.net, self.master, self.exchange, *kind[1:])
+            self._functions[key] = (_step_function(self.net, master, self.exchange, *kind[1:])
                                     if isinstance(kind, tuple) else
-                                    _round_function(self.net, self.master, self.exchange, kind))
+                                    _round_function(self.net, master, self.exchange, kind))
         return self._functions[key]
+
+    def round_master(self, plan):
+        """The master a round runs under: the fit's, where the round takes the outer step (every
+        contributor fits ``averaging_frequency`` minibatches, as a cluster's driver decides);
+        else the fit's without its outer optimizer (the plain mean, the outer state carried
+        through as it is), as a cluster's workers run such a round."""
+        full = min((len(plan.assignment[r]) for r in plan.contributors), default=0) >= self.master.steps_per_round
+        if self.master.outer_updater is None or self.master.takes_outer_step(full):
+            return self.master
+        if self._plain is None:
+            self._plain = replace(self.master, outer_updater=None)
+        return self._plain
 
     def _replicate(self, state, saved_rngs):
         n = len(self.exchange)
@@ -324,30 +340,31 @@ class AveragingDeviceRun:
     def _round(self, state, outer, item, epoch):
         """Dispatch one round; returns ``(state, outer state, losses, applied)``, still on the devices."""
         contributors = tuple(item["plan"].contributors)
+        master = self.round_master(item["plan"])
         args = (np.int32(epoch), self.exchange.mask(contributors), np.float32(len(contributors)))
-        if item["regular"] and self.master.fused_steps:
-            return self._function(True)(state, outer, item["batches"], (), *args)
+        if item["regular"] and master.fused_steps:
+            return self._function(True, master)(state, outer, item["batches"], (), *args)
         if item["regular"]:
-            return self._stepwise(state, outer, item["batches"], *args)
-        return self._irregular(state, outer, item["batches"], *args)
+            return self._stepwise(master, state, outer, item["batches"], *args)
+        return self._irregular(master, state, outer, item["batches"], *args)
 
-    def _stepwise(self, state, outer, batches, epoch, mask, n):
+    def _stepwise(self, master, state, outer, batches, epoch, mask, n):
         """A round with ``fused_steps=False``: one call per step on every device, then one call
         averages. The steps donate the state, except the round's first when an outer
         optimizer needs the round-start parameters."""
-        keep_start = self.master.outer_updater is not None
+        keep_start = master.outer_updater is not None
         start, losses, oks = (state.params if keep_start else ()), [], []
         for j, batch in enumerate(batches):
-            state, loss, ok = self._function(("step", j == 0, j > 0 or not keep_start))(state, batch, epoch)
+            state, loss, ok = self._function(("step", j == 0, j > 0 or not keep_start), master)(state, batch, epoch)
             losses.append(loss), oks.append(ok)
-        state, outer, _, _ = self._function(False)(state, outer, (), start, epoch, mask, n)
+        state, outer, _, _ = self._function(False, master)(state, outer, (), start, epoch, mask, n)
         return state, outer, jnp.stack(losses, 1), jnp.stack(oks, 1)
 
-    def _irregular(self, state, outer, batches, epoch, mask, n):
+    def _irregular(self, master, state, outer, batches, epoch, mask, n):
         """A round whose replicas fit different numbers or shapes of minibatches (an epoch's last):
         each replica steps on its own device, as a cluster worker does, then one compiled call
         averages."""
-        net, master, ex = self.net, self.master, self.exchange
+        net, ex = self.net, self.exchange
         step = _policy_step(net, master)
         parts, losses, oks = [], [], []
         for r, dev in enumerate(ex.devices):
@@ -368,7 +385,7 @@ class AveragingDeviceRun:
             parts.append(lead(st))
             losses.append(ls), oks.append(ks)  # read back later: the next device starts meanwhile
         fitted = ex.stack(parts)
-        state, outer, _, _ = self._function(False)(fitted, outer, (), state.params, epoch, mask, n)
+        state, outer, _, _ = self._function(False, master)(fitted, outer, (), state.params, epoch, mask, n)
         return state, outer, losses, oks
 
     def _round_stats(self, item, losses, round_time, call_time, wait, sizes):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .._mean_round import MeanOrder, MeanRoundDriver
-from ._messages import AverageOrder, AverageReply, AveragingFigures
+from ._messages import AverageOrder, AverageReply, AverageWith, AveragingFigures
 
 __all__ = ["AveragingDriver"]
 
@@ -18,7 +18,14 @@ class AveragingDriver(MeanRoundDriver):
 
     failure = "the replicas could not be averaged"
     order: ClassVar[type[MeanOrder]] = AverageOrder
+    plan: ClassVar[type[AverageWith]] = AverageWith
     reply_key: ClassVar[str] = "averaged"
+
+    def round_options(self, plan) -> dict:
+        """Whether the round is full: every contributor fits ``steps_per_round`` minibatches or
+        more (an outer optimizer steps only after such a round)."""
+        steps = [len(plan.assignment[w]) for w in plan.contributors]
+        return {"full": bool(steps) and min(steps) >= self.options.steps_per_round}
 
     def round_stats(self) -> AveragingFigures:
         a = [r for r in self.means.values() if isinstance(r, AverageReply)]

@@ -11,6 +11,10 @@ from ._device import AveragingDeviceRun
 __all__ = ["ParameterAveraging"]
 
 
+def _positive_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
 @dataclass(frozen=True)
 class ParameterAveraging(Algorithm):
     """Synchronous parameter averaging (DL4J's ``ParameterAveragingTrainingMaster``).
@@ -40,8 +44,8 @@ class ParameterAveraging(Algorithm):
         below one process on its attention task at 4 workers, and with the fit's last three
         epochs at 5 within 0.7 points of it on every task at 2 and 4 workers, with 1.5 to 3.9
         times fewer rounds than averaging at 5 throughout
-        (docs/benchmarks/parity-suite.md). An ``outer_updater`` applies in these epochs too;
-        the schedule was measured to hold that rule without one.
+        (docs/benchmarks/parity-suite.md). Their rounds, shorter than ``averaging_frequency``,
+        end in the plain mean under an ``outer_updater`` too (see there).
     final_frequency : int
         The averaging frequency of the ``final_epochs`` (default 5, the default frequency).
     exchange_precision : {"float32", "bfloat16"}
@@ -94,41 +98,47 @@ class ParameterAveraging(Algorithm):
         small CNN's fused steps measured about 1.25x slower than separate calls
         (an MLP's were not); try it per network.
     update_scale : "workers" or float
-        What every update of the network's updater is multiplied by inside a round: for
-        optax's optimizers, whose learning rate scales the update last (Adam, SGD, ...), the
-        rate times this. ``"workers"`` (the default) is the number of replicas the fit starts
-        with, the linear rule: the mean of ``n`` replicas' steps then moves the parameters
-        about as far as ``n`` steps of one process on the same minibatches, so that a rate set
-        for one process at ``batch_size_per_worker`` serves any number of workers (gradient
-        sharing applies the sum of the replicas' updates, to the same end). ``1.0`` is
-        DL4J's averaging (and what ``dlspark.compat`` builds); set it when the rate you give
-        is already scaled for the workers. Measured on the parity suite (eight tasks, Adam,
-        seeds 0-9): the mean of unscaled steps ends 3.7 points below one process on average
-        over the suite at 2 workers and 12.9 at 4, the scaled ones within a point of it on
-        every task at 2 and 4 workers. Larger multiples are not measured; the linear rule is
-        known to want a warm-up of the rate there. The scale is the worker count at the
-        fit's start, kept if workers are lost or join. Under an ``outer_updater``
-        ``"workers"`` is 1: the outer step sets how far a round moves, and DiLoCo's inner
-        rate is one worker's (scaled inner steps under the outer Nesterov step at 50 were
-        far worse on the suite: -7.8 points on its attention task at 2 workers, against -1.3).
+        What every update of the network's updater is multiplied by inside a round that ends
+        in the plain mean (every round without an ``outer_updater``; with one, the rounds
+        shorter than ``averaging_frequency``): for optax's optimizers, whose learning rate
+        scales the update last (Adam, SGD, ...), the rate times this. ``"workers"`` (the
+        default) is the number of replicas the fit starts with, the linear rule: the mean of
+        ``n`` replicas' steps then moves the parameters about as far as ``n`` steps of one
+        process on the same minibatches, so that a rate set for one process at
+        ``batch_size_per_worker`` serves any number of workers (gradient sharing applies the
+        sum of the replicas' updates, to the same end). ``1.0`` is DL4J's averaging (and what
+        ``dlspark.compat`` builds); set it when the rate you give is already scaled for the
+        workers. Measured on the parity suite (eight tasks, Adam, seeds 0-9): the mean of
+        unscaled steps ends 3.7 points below one process on average over the suite at 2
+        workers and 12.9 at 4, the scaled ones within a point of it on every task at 2 and 4
+        workers. Larger multiples are not measured; the linear rule is known to want a
+        warm-up of the rate there. The scale is the worker count at the fit's start, kept if
+        workers are lost or join.
+    outer_update_scale : "sqrt" or float
+        The same for a round that ends in the outer step. ``"sqrt"`` (the default) is the
+        square root of the replicas the fit starts with; ``1.0`` is DiLoCo's (each replica at
+        one worker's rate). Measured on the parity suite's tuning tasks at frequency 50 with
+        the outer Nesterov step at 4 workers, the square root was the better on all four
+        (``cancer`` -0.18 points from one process against -1.49, ``friedman`` +3.44 against
+        -5.12); scaled by the workers (``n``) it was far worse on the attention task (-7.8
+        points at 2 workers, against -1.3). Unused without an ``outer_updater``.
     outer_updater : optax.GradientTransformation, optional
-        An outer optimizer (DiLoCo, arXiv 2311.08105): at each averaging the
-        round-start parameters minus the workers' mean is taken as a gradient
-        and this transformation's update is applied to the round-start
-        parameters. ``optax.sgd(1.0)`` is plain averaging of unscaled steps (to float rounding);
-        OpenDiLoCo uses ``optax.sgd(0.7, momentum=0.9, nesterov=True)``. Its
-        state is the same on every replica, carried from fit to fit and saved
-        in checkpoints. ``None`` (the default): the parameters are the mean.
-        Measured (``benchmarks/bench_parity.py``, 2 workers, Adam inside, paired
-        seeds): plain averaging ends at most 0.8 points below a single process
-        up to frequency 50 on the image and tabular tasks; DiLoCo's Nesterov
-        step lost 3.6 to 5 points on the tabular task at frequencies 5 and 20
-        (1.3 on the image task at 20) and was within 1 point only at 50. Leave
-        it ``None`` at short periods; try the Nesterov step only at long ones
-        (50 and beyond), against a plain run, and only where an epoch holds several
-        rounds: a round cut short by the epoch's end (above) is a short period too. On
-        the parity suite at frequency 50 the Nesterov step was worse than the same rounds
-        without it on every task at 4 workers (docs/benchmarks/parity-suite.md).
+        An outer optimizer (DiLoCo, arXiv 2311.08105): at the end of a round in which every
+        contributor fitted ``averaging_frequency`` minibatches, the round-start parameters
+        minus the workers' mean is taken as a gradient and this transformation's update is
+        applied to the round-start parameters. ``optax.sgd(1.0)`` is the plain mean (to float
+        rounding); OpenDiLoCo uses ``optax.sgd(0.7, momentum=0.9, nesterov=True)``. A round
+        that is shorter (an epoch's last, or every round where a worker has fewer minibatches
+        an epoch than the frequency, and the rounds of ``final_epochs``) ends in the plain mean
+        of steps scaled by ``update_scale``, as without an outer optimizer, and leaves the
+        outer state as it was: the outer step is set for a period, and a short period with it
+        was measured to lose (``benchmarks/bench_parity.py``, 2 workers: 3.6 to 5 points on
+        the tabular task at frequencies 5 and 20; on the parity suite at frequency 5, 4.5
+        points on the GRU task). Its state is the same on every replica, carried from fit to
+        fit and saved in checkpoints. ``None`` (the default): the parameters are the mean.
+        Measured on the parity suite (docs/benchmarks/parity-suite.md) at frequency 50 with
+        OpenDiLoCo's Nesterov step and ``final_epochs=3``: see there; on tasks whose epochs
+        are shorter than the frequency no round takes it.
 
     Examples
     --------
@@ -141,6 +151,7 @@ class ParameterAveraging(Algorithm):
     fused_steps: bool = False
     outer_updater: object = None
     update_scale: object = "workers"
+    outer_update_scale: object = "sqrt"
     final_epochs: int = 0
     final_frequency: int = 5
     exchange_precision: str = "float32"
@@ -158,9 +169,11 @@ class ParameterAveraging(Algorithm):
         if self.exchange_precision not in ("float32", "bfloat16"):
             raise ValueError(f'exchange_precision must be "float32" or "bfloat16", got {self.exchange_precision!r}')
         scale = self.update_scale
-        if not (scale == "workers" or (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                       and math.isfinite(scale) and scale > 0)):
+        if not (scale == "workers" or _positive_number(scale)):
             raise ValueError(f'update_scale must be "workers" or a positive finite number, got {scale!r}')
+        scale = self.outer_update_scale
+        if not (scale == "sqrt" or _positive_number(scale)):
+            raise ValueError(f'outer_update_scale must be "sqrt" or a positive finite number, got {scale!r}')
         if self.outer_updater is not None and not (hasattr(self.outer_updater, "init")
                                                    and hasattr(self.outer_updater, "update")):
             raise TypeError("outer_updater must be an optax transformation, e.g. "
@@ -168,10 +181,16 @@ class ParameterAveraging(Algorithm):
                             f"got {type(self.outer_updater).__name__}")
 
     def for_workers(self, n: int) -> "ParameterAveraging":
-        """The master with ``update_scale="workers"`` settled: ``n``, or 1 under an outer optimizer."""
-        if self.update_scale != "workers":
-            return self
-        return replace(self, update_scale=float(n) if self.outer_updater is None else 1.0)
+        """The master with its worker-relative scales settled for ``n`` replicas:
+        ``update_scale="workers"`` is ``n``, ``outer_update_scale="sqrt"`` is ``sqrt(n)``."""
+        return replace(self, update_scale=float(n) if self.update_scale == "workers" else self.update_scale,
+                       outer_update_scale=(math.sqrt(n) if self.outer_update_scale == "sqrt"
+                                           else self.outer_update_scale))
+
+    def takes_outer_step(self, full: bool) -> bool:
+        """Whether a round ends in the outer step: with an ``outer_updater``, a ``full`` one
+        (every contributor fitted ``averaging_frequency`` minibatches or more)."""
+        return self.outer_updater is not None and full
 
     @property
     def steps_per_round(self) -> int:

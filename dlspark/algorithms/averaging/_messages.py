@@ -13,15 +13,22 @@ from ...stats._record import RoundFigures
 __all__ = ["AveragingFigures", "AverageWith", "AverageOrder", "AverageReply", "Contribution", "SharedContribution", "Share"]
 
 
-#: a fit order's plan: average with these contributors as soon as the fit is done
-AverageWith = MeanWith
+@dataclass(frozen=True)
+class AverageWith(MeanWith):
+    """A fit order's plan: average with these contributors as soon as the fit is done; ``full``:
+    every contributor fits ``averaging_frequency`` minibatches or more this round (only such a
+    round takes an outer optimizer's step)."""
+
+    full: bool = True
 
 
 @dataclass(frozen=True)
 class AverageOrder(MeanOrder):
-    """Average ``round`` over ``contributors``; ``attempt`` numbers the coordinator's tries."""
+    """Average ``round`` over ``contributors``; ``attempt`` numbers the coordinator's tries;
+    ``full`` as in :class:`AverageWith`."""
 
     op: ClassVar[str] = "average"
+    full: bool = True
 
 
 @dataclass(frozen=True)

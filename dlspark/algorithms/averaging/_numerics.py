@@ -212,13 +212,15 @@ def scaled_updater(updater, factor: float):
     return optax.GradientTransformation(updater.init, update)
 
 
-def settled_scale(master) -> float:
-    """The master's ``update_scale`` as a number: a fit's workers and devices get a master
-    settled for their count (``for_workers``)."""
-    if master.update_scale == "workers":
-        raise ValueError('update_scale="workers" is settled when a fit starts (master.for_workers(n)); '
-                         "this master was handed to a run unsettled")
-    return float(master.update_scale)
+def settled_scale(master, outer: bool = False) -> float:
+    """What a round's updates are multiplied by, as a number: the master's ``update_scale``, or
+    with ``outer`` (a round that ends in the outer step) its ``outer_update_scale``. A fit's
+    workers and devices get a master settled for their count (``for_workers``)."""
+    scale = master.outer_update_scale if outer else master.update_scale
+    if isinstance(scale, str):
+        raise ValueError(f"{'outer_update_scale' if outer else 'update_scale'}={scale!r} is settled when a fit "
+                         "starts (master.for_workers(n)); this master was handed to a run unsettled")
+    return float(scale)
 
 
 def round_steps(net, update_scale: float):

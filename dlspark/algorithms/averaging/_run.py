@@ -59,7 +59,8 @@ class AveragingRun(WorkerRun):
         self.ready: dict = {}
         # the leaves a round's mean takes, and so the only ones a contribution carries
         self.mixed = averaged_indices(self.state, self.master.save_updater)
-        self.update_scale = settled_scale(self.master)
+        # the updates' scale in a round that ends in the plain mean, and in one that ends in the outer step
+        self.scales = (settled_scale(self.master), settled_scale(self.master, outer=True))
         tx = self.master.outer_updater
         self.outer = None if tx is None else _outer_function(self.net, tx)
         carried = spec.algorithm_state.get("outer_state")
@@ -125,8 +126,8 @@ class AveragingRun(WorkerRun):
                 del kept[r]
 
     # -- compute (the job's compute thread) --------------------------------------------
-    def _fit(self, refs, epoch, next_refs):
-        steps = round_steps(self.net, self.update_scale)
+    def _fit(self, refs, epoch, next_refs, outer_round=False):
+        steps = round_steps(self.net, self.scales[outer_round])
         state = start_round(self.state, self.net.updater, self.master.save_updater, epoch)
         # The steps apply their updates unchecked (train_step's select over the whole state
         # costs more than the update itself on a large network: 2.5 ms of a 15 ms step with
@@ -256,8 +257,9 @@ class AveragingRun(WorkerRun):
         self.state = jax.tree_util.tree_unflatten(self.treedef, jax.device_put(leaves))
 
     def _outer_step(self, round):
-        """With an outer optimizer, the parameters move from the round's start by its update of
-        (start - mean); computed from the stored start, so averaging again is safe."""
+        """After a round that takes the outer step (its start kept in ``round_start``), the
+        parameters move from the round's start by its update of (start - mean); computed from
+        the stored start, so averaging again is safe."""
         if self.outer is None or round not in self.round_start:
             return
         start, st = self.round_start[round]
@@ -281,10 +283,11 @@ class AveragingRun(WorkerRun):
         """Fit the round's minibatches, then average with ``order.plan.contributors`` at once
         (one control message per round; the coordinator steps in only if a peer is lost)."""
         round, contributors = order.round, order.plan.contributors
+        outer_round = self.master.takes_outer_step(order.plan.full)
         self.forget_rounds_before(round)
         try:
-            result = await self.compute(self._fit, list(order.refs), order.epoch, list(order.next_refs))
-            if self.outer is not None:
+            result = await self.compute(self._fit, list(order.refs), order.epoch, list(order.next_refs), outer_round)
+            if outer_round:  # a round that ends in the outer step keeps where it started
                 self.round_start[round] = self._start
             if self.moves:
                 self.theta[round] = self._theta
@@ -349,7 +352,7 @@ class AveragingRun(WorkerRun):
                 self.untouched[round] = [np.asarray(x) for x in jax.tree_util.tree_leaves(self.state)]
                 if self.moves:  # the mean of the contributors' moves is taken from here
                     self.theta[round] = self._start_leaves(self.state)
-                if self.outer is not None:
+                if self.master.takes_outer_step(order.full):
                     self.round_start[round] = (self.state.params, self.outer_state)
         done = AverageReply(avg_time=0.0, fetch_time=0.0, bytes_received=0, contributors=tuple(contributors))
         if contributors == [self.address] and self.contributions.get(round) is not None:
