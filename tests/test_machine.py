@@ -189,19 +189,41 @@ def test_a_worker_lost_mid_round_has_its_minibatches_requeued(algorithm):
     assert len(p.sent_to("b")) == 1  # only its first fit
 
 
+def test_averaging_marks_a_round_full_only_when_every_contributor_fits_the_frequency():
+    """An outer optimizer steps only after a full round, in which every contributor fits
+    ``averaging_frequency`` minibatches: the driver says so in every order of the round (the
+    fits' plans, and the means asked again after a loss), and the epoch's short last round is not."""
+    p = Player("averaging", n=10)  # 3 workers x 2 a round: (2, 2, 2), then the epoch's last 4
+    out = p.start()
+    assert [s.order.plan.full for s in sends(out, FitOrder)] == [True] * 3
+    out = p.answer_all()
+    fits = sends(out, FitOrder)
+    assert sorted(len(s.order.refs) for s in fits) == [1, 1, 2]
+    assert [s.order.plan.full for s in fits] == [False] * 3
+    lost, *others = [s.worker for s in fits]
+    p.lose(lost)
+    out = []
+    for w in others:
+        out += p.answer(p.order(w))
+    again = sends(out, AverageOrder)
+    assert {s.worker for s in again} == set(others)
+    assert {(s.order.contributors, s.order.attempt, s.order.full) for s in again} == {(tuple(others), 1, False)}
+
+
 # -- 2. every contributor of a round lost --------------------------------------------------
 def test_every_contributor_lost_the_idle_worker_averages_over_nobody_and_the_round_is_requeued():
     p = Player("averaging", n=2, epochs=2)
     out = p.start()
+    # one minibatch each of the two a round (k=2): not a full round
     assert {s.worker: s.order for s in sends(out)} == {
-        "a": FitOrder(round=1, epoch=0, refs=(0,), next_refs=(0,), plan=AverageWith(("a", "b"))),
-        "b": FitOrder(round=1, epoch=0, refs=(1,), next_refs=(1,), plan=AverageWith(("a", "b"))),
-        "c": AverageOrder(1, ("a", "b"), 0),  # c has no data this round: it only averages
+        "a": FitOrder(round=1, epoch=0, refs=(0,), next_refs=(0,), plan=AverageWith(("a", "b"), full=False)),
+        "b": FitOrder(round=1, epoch=0, refs=(1,), next_refs=(1,), plan=AverageWith(("a", "b"), full=False)),
+        "c": AverageOrder(1, ("a", "b"), 0, full=False),  # c has no data this round: it only averages
     }
     assert p.lose("a") == []
     assert p.lose("b") == []
     out = p.answer(p.order("c"), AverageReply(unreachable=("a",), ok=False, contributors=("a", "b")))
-    assert out == [Send("c", out[0].seq, AverageOrder(1, (), 1))]  # back to its state before the round
+    assert out == [Send("c", out[0].seq, AverageOrder(1, (), 1, full=False))]  # back to its state before the round
     out = p.answer(p.order("c"))
     (stat,) = emits(out, "round")
     assert stat["round"] == 1 and stat["minibatches"] == 0 and stat["workers"] == 0 and stat["loss"] is None
@@ -242,7 +264,7 @@ def test_a_contributor_lost_after_its_answer_still_counts_as_a_new_attempt():
     # fault") the re-drive carries attempt 1, as when c is lost before answering.
     p = Player("averaging", workers=("a", "b", "c", "d"), n=3)
     p.start()
-    assert p.order("d").order == AverageOrder(1, ("a", "b", "c"), 0)
+    assert p.order("d").order == AverageOrder(1, ("a", "b", "c"), 0, full=False)  # one minibatch each: not full
     for w in "abc":
         assert p.answer(p.order(w)) == []
     assert p.lose("c") == []
