@@ -172,6 +172,11 @@ OPTIONS = {
     # the plain mean of updates times n, as averaging-f50-final3's do
     "averaging-f50-nesterov-final3": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
                                                     "final_epochs": 3}),
+    # the same with DiLoCo's inner updates (outer_update_scale=1.0, each replica at one worker's
+    # rate, the default before 2026-11-30) in the full rounds: is the square root, chosen on the
+    # tuning tasks when every round took the outer step, still the better where only full ones do?
+    "averaging-f50-diloco-final3": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
+                                                  "outer_update_scale": 1.0, "final_epochs": 3}),
     # the outer step at 50 in smaller measures, on the task where averaging at 50 misses most
     # (tokens-attention, 4 workers): how far a round moves, how the inner updates are scaled,
     # momentum and a decaying outer rate, each against the same rounds without an outer step

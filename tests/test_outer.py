@@ -276,6 +276,7 @@ def test_update_scale_is_settled_for_the_workers_before_a_run():
     outer = ParameterAveraging(outer_updater=optax.sgd(0.7, momentum=0.9, nesterov=True)).for_workers(4)
     assert (outer.update_scale, outer.outer_update_scale) == (4.0, 2.0)
     assert ParameterAveraging(outer_update_scale=0.5).for_workers(3).outer_update_scale == 0.5
+    assert master.for_workers(4).outer_update_scale == "sqrt"  # without an outer optimizer, unused: left as it is
     from dlspark.algorithms.averaging._numerics import settled_scale
 
     assert (settled_scale(outer), settled_scale(outer, outer=True)) == (4.0, 2.0)

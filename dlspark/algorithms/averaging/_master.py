@@ -184,11 +184,12 @@ class ParameterAveraging(Algorithm):
                             f"got {type(self.outer_updater).__name__}")
 
     def for_workers(self, n: int) -> "ParameterAveraging":
-        """The master with its worker-relative scales settled for ``n`` replicas:
-        ``update_scale="workers"`` is ``n``, ``outer_update_scale="sqrt"`` is ``sqrt(n)``."""
+        """The master with the worker-relative scales its fit uses settled for ``n`` replicas:
+        ``update_scale="workers"`` is ``n``, and under an outer optimizer
+        ``outer_update_scale="sqrt"`` is ``sqrt(n)``."""
+        outer = self.outer_update_scale
         return replace(self, update_scale=float(n) if self.update_scale == "workers" else self.update_scale,
-                       outer_update_scale=(math.sqrt(n) if self.outer_update_scale == "sqrt"
-                                           else self.outer_update_scale))
+                       outer_update_scale=math.sqrt(n) if outer == "sqrt" and self.outer_updater is not None else outer)
 
     def takes_outer_step(self, full: bool) -> bool:
         """Whether a round ends in the outer step: with an ``outer_updater``, a ``full`` one

@@ -60,7 +60,8 @@ class AveragingRun(WorkerRun):
         # the leaves a round's mean takes, and so the only ones a contribution carries
         self.mixed = averaged_indices(self.state, self.master.save_updater)
         # the updates' scale in a round that ends in the plain mean, and in one that ends in the outer step
-        self.scales = (settled_scale(self.master), settled_scale(self.master, outer=True))
+        self.scales = (settled_scale(self.master),
+                       None if self.master.outer_updater is None else settled_scale(self.master, outer=True))
         tx = self.master.outer_updater
         self.outer = None if tx is None else _outer_function(self.net, tx)
         carried = spec.algorithm_state.get("outer_state")
