@@ -117,11 +117,14 @@ class ParameterAveraging(Algorithm):
     outer_update_scale : "sqrt" or float
         The same for a round that ends in the outer step. ``"sqrt"`` (the default) is the
         square root of the replicas the fit starts with; ``1.0`` is DiLoCo's (each replica at
-        one worker's rate). Measured on the parity suite's tuning tasks at frequency 50 with
-        the outer Nesterov step at 4 workers, the square root was the better on all four
-        (``cancer`` -0.18 points from one process against -1.49, ``friedman`` +3.44 against
-        -5.12); scaled by the workers (``n``) it was far worse on the attention task (-7.8
-        points at 2 workers, against -1.3). Unused without an ``outer_updater``.
+        one worker's rate). Chosen on the parity suite's tuning tasks at frequency 50 with the
+        outer Nesterov step at 4 workers, where the square root was the better on all four
+        when every round took the outer step (``cancer`` -0.18 points from one process
+        against -1.49, ``friedman`` +3.44 against -5.12). With the outer step after full
+        rounds only and ``final_epochs=3``, one worker's rate held every task at 2 workers
+        and missed two at 4 (its attention task by 5.5 points), the square root missed one
+        at each count (by 1.2 and 2.7); scaled by the workers (``n``) it was far worse
+        (docs/benchmarks/parity-suite.md). Unused without an ``outer_updater``.
     outer_updater : optax.GradientTransformation, optional
         An outer optimizer (DiLoCo, arXiv 2311.08105): at the end of a round in which every
         contributor fitted ``averaging_frequency`` minibatches, the round-start parameters
