@@ -185,16 +185,20 @@ def test_moves_in_bfloat16_under_the_nesterov_outer_loop_equal_the_same_loop_com
         np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("runtime", ["cluster", "wrapper"])
-def test_only_a_full_round_takes_the_outer_step(client, make_net, digits, runtime):
+def test_only_a_full_round_takes_the_outer_step(client, make_net, digits, runtime, precision):
     """A round in which a worker fits fewer than ``averaging_frequency`` minibatches (here the
     epoch's last) ends in the plain mean of steps at ``update_scale`` (the workers, 2), the
     outer state left as it was; a full round trains at ``outer_update_scale`` (sqrt(2) by
-    default) and ends in the outer step. The same rounds on a cluster and a ParallelWrapper."""
+    default) and ends in the outer step. The same rounds on a cluster and a ParallelWrapper,
+    with the exchange in float32 and in bfloat16."""
     tr, _ = digits
     batches = tr[:448].batches(32)  # 14 minibatches: 3 full rounds of 2 workers x 2, then 1 each
     tx = optax.sgd(**NESTEROV)
-    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, outer_updater=tx)
+    moves = precision == "bfloat16"
+    master = ParameterAveraging(batch_size_per_worker=32, averaging_frequency=2, outer_updater=tx,
+                                exchange_precision=precision)
     net = make_net(updater=optax.sgd(0.1))
     if runtime == "cluster":
         trainer = DistributedTrainer(client, net, master, progress=False)
@@ -202,13 +206,14 @@ def test_only_a_full_round_takes_the_outer_step(client, make_net, digits, runtim
         assert [s["workers"] for s in trainer.last_fit_stats] == [2] * 4
     else:
         dlspark.ParallelWrapper(net, master, devices=2, progress=False).fit(batches)
-    here = _outer_loop_here(make_net, batches, 2, 2, 0.2, tx, outer_lr=0.1 * np.sqrt(2))
+    here = _outer_loop_here(make_net, batches, 2, 2, 0.2, tx, moves=moves, outer_lr=0.1 * np.sqrt(2))
     for x, y in zip(_floats(net.state.params), _floats(here.params)):
         np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
     # what the fit did not do: the outer step after the short round too, or every round at one rate
-    for other in (_outer_loop_here(make_net, batches, 2, 2, 0.2, tx, outer_lr=0.1 * np.sqrt(2), every_round=True),
-                  _outer_loop_here(make_net, batches, 2, 2, 0.1 * np.sqrt(2), tx),
-                  _outer_loop_here(make_net, batches, 2, 2, 0.2, tx)):
+    for other in (_outer_loop_here(make_net, batches, 2, 2, 0.2, tx, moves=moves, outer_lr=0.1 * np.sqrt(2),
+                                   every_round=True),
+                  _outer_loop_here(make_net, batches, 2, 2, 0.1 * np.sqrt(2), tx, moves=moves),
+                  _outer_loop_here(make_net, batches, 2, 2, 0.2, tx, moves=moves)):
         assert any(not np.allclose(x, y, rtol=1e-3, atol=1e-4)
                    for x, y in zip(_floats(net.state.params), _floats(other.params)))
 
