@@ -133,7 +133,7 @@ OPTIONS = {
     "averaging-f50-nesterov-lr-linear": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
                                                        "lr_scale": "linear", **UNSCALED}),
     # averaging at 50 with the outer step and the updates scaled with the workers (as the default
-    # scales them without an outer step; under one, update_scale="workers" is 1)
+    # scales them without an outer step; under one, update_scale="workers" was 1 until 2026-11-30)
     "averaging-f50-nesterov-scaled": ("averaging", {"averaging_frequency": 50, "outer": "nesterov",
                                                     "update_scale_workers": True}),
     # averaging at long periods with today's defaults otherwise (updates scaled with the workers,
