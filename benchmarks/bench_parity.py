@@ -67,7 +67,10 @@ def _sgd(rate, momentum=None):
 
 
 #: more runs: averaging at long periods, with and without DiLoCo's outer optimizer
-#: (``outer`` names an outer updater factory, made when the run starts)
+#: (``outer`` names an outer updater factory, made when the run starts). Those filed before
+#: 2026-11-30 took the outer step after every round with each replica at one worker's rate;
+#: run again, ParameterAveraging takes it after full rounds only, over updates at its
+#: ``outer_update_scale`` (the square root of the workers by default)
 OUTER_RUNS = {
     **{f"averaging-f{f}": ("averaging", {"averaging_frequency": f}) for f in (20, 50)},
     **{f"averaging-f{f}-nesterov": ("averaging", {"averaging_frequency": f, "outer": "nesterov"}) for f in (5, 20, 50)},

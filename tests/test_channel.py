@@ -178,7 +178,7 @@ def test_a_peer_that_takes_nothing_breaks_the_connection(monkeypatch, how):
 
 def test_close_ends_the_channels_threads_and_its_port():
     inbox = Inbox()
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())  # the objects: an ended thread's ident is reused
     a = Channel("job", "tcp://127.0.0.1:1", "127.0.0.1", Inbox(), timeout=5)
     b = Channel("job", "tcp://127.0.0.1:2", "127.0.0.1", inbox, timeout=5)
     a.connect("b", "127.0.0.1", b.port)
@@ -187,7 +187,7 @@ def test_close_ends_the_channels_threads_and_its_port():
     inbox.wait_for(1)
     a.close()
     b.close()
-    _until(lambda: not [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("dlspark-channel")])
+    _until(lambda: not [t for t in threading.enumerate() if t not in before and t.name.startswith("dlspark-channel")])
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", b.port), timeout=2).close()
     assert a.send("b", "tcp://127.0.0.1:1", 2, b"after close") is False
@@ -209,10 +209,10 @@ def _blocked_sender(fallback=None):
 
 
 def test_close_ends_a_write_that_waits_on_a_peer_now_not_at_the_timeout():
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())  # the objects: an ended thread's ident is reused
     a, server, _ = _blocked_sender()
     try:
-        senders = [t for t in threading.enumerate() if t.ident not in before and t.name == "dlspark-channel-send"]
+        senders = [t for t in threading.enumerate() if t not in before and t.name == "dlspark-channel-send"]
         assert senders and senders[0].is_alive()  # waiting in its write (the timeout is 60 s)
         t0 = time.monotonic()
         a.close()
