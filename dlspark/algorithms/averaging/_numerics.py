@@ -217,7 +217,7 @@ def settled_scale(master, outer: bool = False) -> float:
     with ``outer`` (a round that ends in the outer step) its ``outer_update_scale``. A fit's
     workers and devices get a master settled for their count (``for_workers``)."""
     scale = master.outer_update_scale if outer else master.update_scale
-    if isinstance(scale, str):
+    if scale in ("workers", "sqrt"):
         raise ValueError(f"{'outer_update_scale' if outer else 'update_scale'}={scale!r} is settled when a fit "
                          "starts (master.for_workers(n)); this master was handed to a run unsettled")
     return float(scale)
