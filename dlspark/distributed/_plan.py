@@ -35,6 +35,11 @@ class RoundPlan:
     def contributors(self) -> list:
         return sorted(w for w, refs in self.assignment.items() if refs)
 
+    @property
+    def fewest_minibatches(self) -> int:
+        """The fewest minibatches a contributor fits this round (0 without contributors)."""
+        return min((len(refs) for refs in self.assignment.values() if refs), default=0)
+
 
 class Coordinator:
     """Round planner with exactly-once accounting of minibatches per epoch.

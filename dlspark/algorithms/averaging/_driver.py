@@ -24,8 +24,7 @@ class AveragingDriver(MeanRoundDriver):
     def round_options(self, plan) -> dict:
         """Whether the round is full: every contributor fits ``steps_per_round`` minibatches or
         more (an outer optimizer steps only after such a round)."""
-        steps = [len(plan.assignment[w]) for w in plan.contributors]
-        return {"full": bool(steps) and min(steps) >= self.options.steps_per_round}
+        return {"full": plan.fewest_minibatches >= self.options.steps_per_round}
 
     def round_stats(self) -> AveragingFigures:
         a = [r for r in self.means.values() if isinstance(r, AverageReply)]

@@ -147,7 +147,7 @@ class AveragingRun(WorkerRun):
         staged = list(self.batches(refs)) if self.master.fused_steps and len(refs) > 1 else None
         fused = staged is not None and one_shape(b for _, b in staged)
         start = steps.copy_state(state) if fused else state
-        if self.outer is not None:  # the outer step starts from the round's parameters
+        if outer_round:  # the outer step starts from the round's parameters
             self._start = (start.params, self.outer_state)
         if self.moves:  # a round's moves are taken from where it started (a copy: the steps donate)
             self._theta = self._start_leaves(self.state)
@@ -179,7 +179,7 @@ class AveragingRun(WorkerRun):
         losses = np.asarray(losses, np.float64).reshape(-1)
         oks = np.isfinite(losses)
         if not (finite and oks.all()):  # a step was not finite: replay the round with train_step
-            state = steps.copy_state(start) if self.outer is not None else start
+            state = steps.copy_state(start) if outer_round else start
             replayed = []
             for _, batch in staged:
                 out = steps.train_step(state, batch)
