@@ -22,8 +22,11 @@ from _install import NUMERIC_PACKAGES  # noqa: E402
 
 
 def test_suite_shape():
-    assert len(bench_suite.TASKS) >= 8
-    assert len(bench_suite.HELD_OUT) * 2 == len(bench_suite.TASKS)
+    assert len(bench_suite.SUITE) >= 8
+    assert len(bench_suite.HELD_OUT) * 2 == len(bench_suite.SUITE) and set(bench_suite.HELD_OUT) <= set(bench_suite.SUITE)
+    # a task outside the rule is a tuning task, run only when named
+    outside = set(bench_suite.TASKS) - set(bench_suite.SUITE)
+    assert outside and not any(bench_suite.TASKS[t].held_out for t in outside)
     assert bench_suite.SEEDS == tuple(range(10))
     assert {t.metric for t in bench_suite.TASKS.values()} == {"accuracy", "auc", "mse"}
 
@@ -154,6 +157,24 @@ def test_a_reference_run_is_one_process_at_the_global_minibatch_with_the_scaled_
     assert saved["installs"] == {bench_suite.install_id(here): here}
     assert all(f"{p} " in here for p in NUMERIC_PACKAGES) and "CPU flags " in here
     assert "note" not in tables[0]  # one install: no pair across installs
+
+
+def test_a_task_outside_the_rule_is_tabled_but_moves_no_verdict():
+    def result(task, run, workers, seed, value):
+        return {"task": task, "run": run, "workers": workers, "seed": seed, "value": value}
+
+    suite = [result(t, run, w, s, 0.9 if run == "single" else 0.895) for t in bench_suite.SUITE
+             for run, w in (("single", 1), ("averaging", 2)) for s in bench_suite.SEEDS]
+    outside = [result("tokens-count", run, w, s, 0.9 if run == "single" else 0.5)
+               for run, w in (("single", 1), ("averaging", 2)) for s in bench_suite.SEEDS]
+    paired, rule = bench_suite.summary(suite + outside)[:2]
+    each = [bench_suite.points(bench_suite.TASKS[t], 0.895, 0.9) for t in bench_suite.SUITE]  # MSE: lower is better
+    assert rule["rows"] == [["averaging", 2, len(bench_suite.SUITE), f"{min(each):+.2f}", f"{np.mean(each):+.2f}", "yes"]]
+    assert "note" not in rule  # every suite task and seed: the verdict, though one task is missing
+    row = next(r for r in paired["rows"] if r[0] == "tokens-count")
+    assert row[1] == "no (outside the rule)" and row[6] == "-40.00"
+    # the same results without one suite task are not a verdict
+    assert "note" in bench_suite.summary([r for r in suite if r["task"] != "cancer"] + outside)[1]
 
 
 def test_an_install_names_a_missing_package_rather_than_failing():

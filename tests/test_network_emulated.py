@@ -56,15 +56,18 @@ class ComparedAveraging(ParameterAveraging):
         return True
 
 
+def _tests_path():
+    """PYTHONPATH for the workers: the tests' networks live in conftest and this module, and the
+    workers import them from the shared file system, as a cluster's workers import a user's modules."""
+    return os.pathsep.join([str(TESTS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
 @pytest.fixture(scope="module")
 def cluster():
     reason = netns_unavailable()
     if reason:
         _unavailable(reason)
-    # the tests' networks live in conftest and this module: the workers import them from the
-    # shared file system, as a cluster's workers import a user's modules
-    path = os.pathsep.join([str(TESTS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    with emulated_cluster(2, rate="1gbit", env={"PYTHONPATH": path}, config=CONFIG) as net, \
+    with emulated_cluster(2, rate="1gbit", env={"PYTHONPATH": _tests_path()}, config=CONFIG) as net, \
             Client(net.scheduler_address, set_as_default=False) as client:
         yield net, client
 
@@ -286,3 +289,101 @@ def test_a_cut_longer_than_dask_keeps_the_worker_finishes_on_the_survivor(net, m
     assert trainer.last_fit_stats[-1]["workers"] == 1  # finished on the survivor
     # the fit can end before the link is healed: the module's network must outlive the fault
     assert healed.wait(CUT_LONG + 10), "the link was not healed"
+
+
+# -- three hosts: the mean in shares --------------------------------------------------------------
+# With two contributors a replica fetches its peer's whole contribution; with three or more each
+# contributor reduces one share of the elements and every replica gathers the shares
+# (dlspark.algorithms.averaging._numerics). Here that path crosses links whose counters are read,
+# and a cut between two of the three, both still reaching the scheduler and the third, hits the
+# path that must hand a share around a lost peer. Its own cluster (the module's two-host one idles).
+HOSTS = 3
+
+
+@pytest.fixture(scope="module")
+def three_hosts_cluster():
+    reason = netns_unavailable()
+    if reason:
+        _unavailable(reason)
+    with emulated_cluster(HOSTS, rate="1gbit", env={"PYTHONPATH": _tests_path()}, config=CONFIG) as net, \
+            Client(net.scheduler_address, set_as_default=False) as client:
+        yield net, client
+
+
+@pytest.fixture
+def three_hosts(three_hosts_cluster):
+    """The three-host cluster with every worker registered and no pair isolated."""
+    net, client = three_hosts_cluster
+    net.isolate(0, 1, on=False)
+    wait_for_workers(net, HOSTS, timeout=60)
+    client.wait_for_workers(HOSTS, timeout=30)
+    return net, client
+
+
+def _counted_fit(net, trainer, data):
+    """The wire bytes (per host, from the interfaces' counters) of a second fit, the first
+    having compiled."""
+    trainer.fit(data)
+    before = net.wire_bytes()
+    trainer.fit(data)
+    return net.wire_delta(before, net.wire_bytes())
+
+
+@pytest.mark.slow
+def test_three_hosts_average_in_shares_and_the_wire_carries_what_they_report(three_hosts, make_net, digits):
+    """A round costs the replicas 2 (n - 1) times the parameters in all (each owner fetches its
+    share from the two others, each replica gathers the two shares it does not own), not
+    n (n - 1) times as whole contributions would; with ``exchange_precision="bfloat16"`` the
+    fetched shares take half of that, the gathered means not. The replicas end equal, and
+    what the links carry is what the workers report, within framing."""
+    net, client = three_hosts
+    received = {}
+    for precision in ("float32", "bfloat16"):
+        model = make_net(MLP(hidden=1024))
+        params = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.state.params))
+        state = sum(x.nbytes for x in dlspark.checkpoint.state_to_arrays(model.state)["arrays"])
+        master = ComparedAveraging(batch_size_per_worker=16, averaging_frequency=4, save_updater=False,
+                                   exchange_precision=precision)
+        trainer = DistributedTrainer(client, model, master, progress=False)
+        wire = _counted_fit(net, trainer, digits[0])
+        stats = trainer.last_fit_stats
+        assert all(s["workers"] == HOSTS and s["minibatches"] >= HOSTS for s in stats), stats
+        reduce_part = params // 2 if precision == "bfloat16" else params
+        per_round = [s["bytes_received"] for s in stats]
+        assert per_round == [(HOSTS - 1) * (reduce_part + params)] * len(stats), (precision, per_round, params)
+        assert trainer.replica_divergence == 0.0, precision
+        reported = sum(per_round)
+        rx = sum(wire[h.name]["rx"] for h in net.hosts)
+        # the workers receive the shares and, of the state they kept, at most what differs
+        assert reported <= rx <= 1.03 * reported + state + 3e5, (precision, wire, reported, state)
+        received[precision] = rx
+    # 3 P a round against 4 P: a quarter fewer bytes on the wire
+    assert received["bfloat16"] <= 0.82 * received["float32"], received
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_of_three_hosts_that_cannot_reach_each_other_end_in_bounded_time(three_hosts, make_net, digits, tmp_path):
+    """Both reach the scheduler and the third host: a share one of them owns cannot reach
+    the other. The fit drops one side and finishes on two, every minibatch once and the
+    replicas equal, or fails naming the pair; never hangs."""
+    net, client = three_hosts
+    urls = _urls(digits, tmp_path)
+    on_round, started = _fault_at_round(3, lambda: net.isolate(0, 1))
+    trainer = DistributedTrainer(client, make_net(), ComparedAveraging(batch_size_per_worker=16, averaging_frequency=2),
+                                 progress=False)
+    addresses = [net.hosts[i].address for i in (0, 1)]
+    t0 = time.monotonic()
+    try:
+        try:
+            trainer.fit_paths(urls, epochs=2, loader=slow_loader(0.02), callbacks=[on_round])
+        except JobFailedError as e:
+            assert all(a in str(e) for a in addresses), str(e)
+        else:
+            assert _minibatches_per_epoch(trainer) == {0: len(urls), 1: len(urls)}
+            assert trainer.last_fit_stats[-1]["workers"] == HOSTS - 1
+            assert trainer.replica_divergence == 0.0
+        assert started.is_set()
+        assert time.monotonic() - t0 < 60
+    finally:
+        net.isolate(0, 1, on=False)
