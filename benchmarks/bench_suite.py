@@ -243,7 +243,9 @@ OPTIONS = {
     # in bfloat16 with error feedback, half of the bytes a round's exchange moves: first measured
     # as a ParallelWrapper prototype of the same arithmetic (its figures filed in
     # docs/_data/bench_suite_bf16.json), now dlspark's option, which gave those figures to the
-    # last digit where checked (docs/benchmarks/parity-suite.md); the prototype's code is gone
+    # last digit where checked (docs/benchmarks/parity-suite.md); the prototype's code is gone.
+    # docs/_data/bench_suite_bf16_shares.json's 4-worker results came from commit 336a215,
+    # where the option also sent the shares' means in bfloat16 (a prototype, not kept)
     "averaging-bf16": ("averaging", {"exchange_precision": "bfloat16"}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers

@@ -334,9 +334,10 @@ def _counted_fit(net, trainer, data):
 def test_three_hosts_average_in_shares_and_the_wire_carries_what_they_report(three_hosts, make_net, digits):
     """A round costs the replicas 2 (n - 1) times the parameters in all (each owner fetches its
     share from the two others, each replica gathers the two shares it does not own), not
-    n (n - 1) times as whole contributions would; with ``exchange_precision="bfloat16"`` both
-    halves take half of that (the moves, and the shares' means). The replicas end equal, and
-    what the links carry is what the workers report, within framing."""
+    n (n - 1) times as whole contributions would; with ``exchange_precision="bfloat16"`` the
+    shares are reduced from 16-bit moves (half of that) and their means gathered in float32.
+    The replicas end equal, and what the links carry is what the workers report, within
+    framing."""
     net, client = three_hosts
     received = {}
     for precision in ("float32", "bfloat16"):
@@ -349,18 +350,18 @@ def test_three_hosts_average_in_shares_and_the_wire_carries_what_they_report(thr
         wire = _counted_fit(net, trainer, digits[0])
         stats = trainer.last_fit_stats
         assert all(s["workers"] == HOSTS and s["minibatches"] >= HOSTS for s in stats), stats
-        part = params // 2 if precision == "bfloat16" else params
+        reduce_part = params // 2 if precision == "bfloat16" else params
         per_round = [s["bytes_received"] for s in stats]
-        assert per_round == [2 * (HOSTS - 1) * part] * len(stats), (precision, per_round, params)
+        assert per_round == [(HOSTS - 1) * (reduce_part + params)] * len(stats), (precision, per_round, params)
         assert trainer.replica_divergence == 0.0, precision
         reported = sum(per_round)
         rx = sum(wire[h.name]["rx"] for h in net.hosts)
         # the workers receive the shares and, of the state they kept, at most what differs
         assert reported <= rx <= 1.03 * reported + state + 3e5, (precision, wire, reported, state)
         received[precision] = rx, reported
-    # 2 P a round against 4 P: the links carry the half that the workers report saved
+    # 3 P a round against 4 P: the links carry the quarter that the workers report saved
     (rx32, reported32), (rx16, reported16) = received["float32"], received["bfloat16"]
-    assert 2 * reported16 == reported32
+    assert 4 * reported16 == 3 * reported32
     assert rx32 - rx16 >= 0.95 * (reported32 - reported16), received
 
 
@@ -402,36 +403,41 @@ from conftest import MLP  # which asks for two CPU devices: three, here
 
 import dlspark
 
-jax.config.update("jax_num_cpu_devices", 3)
+jax.config.update("jax_num_cpu_devices", int(sys.argv[3]))
 
 train = dlspark.datasets.digits()[0][:480]
 net = dlspark.Network(dlspark.Model.from_flax(MLP(), train.features[:1]), loss="softmax_cross_entropy",
                       updater=optax.adam(1e-2), seed=0)
 master = dlspark.ParameterAveraging(batch_size_per_worker=16, averaging_frequency=4, exchange_precision=sys.argv[2])
-dlspark.ParallelWrapper(net, master, devices=3, progress=False).fit(train)
+dlspark.ParallelWrapper(net, master, devices=int(sys.argv[3]), progress=False).fit(train)
 np.save(sys.argv[1], np.concatenate([np.ravel(p) for p in jax.tree_util.tree_leaves(net.params)]))
 """
 
 
 @pytest.mark.slow
-def test_three_hosts_bfloat16_means_train_as_the_wrapper_computes_them(three_hosts, make_net, digits, tmp_path):
-    """The shares' means in bfloat16, each owner's rounding error kept for its next mean: three
-    workers end where a ParallelWrapper over three devices (another process: this one has two)
-    ends, near the float32 mean's fit and not on it."""
+def test_three_hosts_average_in_shares_as_the_wrapper_computes_the_mean(three_hosts, make_net, digits, tmp_path):
+    """Three workers end where a ParallelWrapper over three devices (another process: this one
+    has two) ends, in float32 and with the shares reduced from 16-bit moves, to float rounding:
+    the two runtimes' steps part in the last bits on this network (at two workers too), and
+    where such a difference moves a bfloat16 rounding of a move, that element parts by up to
+    2**-9 of the move. The bfloat16 fit ends near the float32 one, not on it."""
     net, client = three_hosts
     train = digits[0][:480]  # 30 minibatches: rounds of 4, 4 and 2 a worker, all three contributing
-    ends = {}
     for precision in ("float32", "bfloat16"):
         model = make_net()
         master = ParameterAveraging(batch_size_per_worker=16, averaging_frequency=4, exchange_precision=precision)
         trainer = DistributedTrainer(client, model, master, progress=False)
         trainer.fit(train)
         assert [s["workers"] for s in trainer.last_fit_stats] == [HOSTS] * 3
-        ends[precision] = np.concatenate([np.ravel(p) for p in jax.tree_util.tree_leaves(model.params)])
-    out = tmp_path / "wrapper.npy"
-    subprocess.run([sys.executable, "-c", _WRAPPER_FIT, str(out), "bfloat16"], check=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": _tests_path()})
-    np.testing.assert_allclose(ends["bfloat16"], np.load(out), rtol=0, atol=1e-6)
-    apart = np.abs(ends["bfloat16"] - ends["float32"]).max()
-    # a round moves an element by up to 4 Adam steps of 1e-2; the roundings move the fit far less
-    assert 0 < apart < 0.25 * 4 * 1e-2, apart
+        ends = np.concatenate([np.ravel(p) for p in jax.tree_util.tree_leaves(model.params)])
+        out = tmp_path / f"{precision}.npy"
+        subprocess.run([sys.executable, "-c", _WRAPPER_FIT, str(out), precision, str(HOSTS)], check=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": _tests_path()})
+        apart = np.abs(ends - np.load(out))
+        if precision == "float32":
+            assert apart.max() < 1e-6, apart.max()
+            exact = ends
+        else:  # a move is at most 4 Adam steps of 1e-2: a flipped rounding parts by 0.04 * 2**-9 at most
+            assert apart.max() < 0.04 * 2.0 ** -9 and np.mean(apart > 1e-6) < 0.01, (apart.max(), np.mean(apart > 1e-6))
+            gap = np.abs(ends - exact).max()
+            assert 0 < gap < 0.01, gap  # a round moves an element by up to 0.04

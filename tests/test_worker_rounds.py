@@ -371,8 +371,7 @@ def test_a_sharing_worker_numbers_its_messages_from_the_counter_its_fit_order_gi
 
 def test_moves_in_bfloat16_are_averaged_in_shares_and_again_over_fewer_contributors(client3, make_net, digits,
                                                                                        tmp_path):
-    from dlspark.algorithms.averaging._numerics import (add_moves, averaged_indices, encode_moves,
-                                                        mean_move_in_bfloat16, mean_of_moves, share_bounds)
+    from dlspark.algorithms.averaging._numerics import averaged_indices, encode_moves, mean_of_moves
 
     master = ParameterAveraging(batch_size_per_worker=32, update_scale=1.0, exchange_precision="bfloat16")
     job = _DrivenJob(client3, make_net, digits, tmp_path, 96, master)
@@ -402,21 +401,18 @@ def test_moves_in_bfloat16_are_averaged_in_shares_and_again_over_fewer_contribut
                                           jax.tree_util.tree_map(np.asarray, load_minibatch(u).jit_batch())).state)
               for u in urls]
     moves = [encode_moves(y, theta, [np.zeros_like(t) for t in theta])[0] for y in fitted]
-    # the shares' owners send the mean move rounded to bfloat16 too (no residual yet)
-    want = add_moves(theta, mean_move_in_bfloat16(moves, [np.zeros_like(t) for t in theta])[0])
-    for got in mean:  # every replica holds the same bits: the round's start plus the rounded mean move
+    want = mean_of_moves(theta, moves)
+    for got in mean:  # every replica holds the same bits: the round's start plus the mean move
         for x, w in zip(got, want, strict=True):
             np.testing.assert_allclose(x, w, rtol=0, atol=1e-7)
-    assert any(np.abs(np.asarray(x) - w).max() > 0 for x, w in zip(mean_of_moves(theta, moves), want))
     exact = [sum(ys) / 3 for ys in zip(*fitted)]  # near the float32 mean, not on it
     gap = max(float(np.abs(x - e).max()) for x, e in zip(mean[0], exact))
-    assert 0 < gap < 1e-2 * 2.0 ** -8  # a move rounded twice, each time to 2**-9 of it
+    assert 0 < gap < 1e-2 * 2.0 ** -8
     # a replica fetched its two peers' slices of their moves in 16 bits an element (its own
-    # share, s elements: 2 * 2 * s bytes), then the others' mean shares in 16 too (2 * (n - s)):
-    # 2 * n + 2 * s bytes, where float32 moves and means would take 8 * n
+    # share, s elements: 2 * 2 * s bytes), then the others' mean shares in 32 (4 * (n - s)):
+    # 4 * n bytes, where float32 moves would take 4 * n + 4 * s
     elements = sum(t.size for t in theta)
-    own = [hi - lo for lo, hi in (share_bounds([elements], 3, k) for k in range(3))]
-    assert [r.extra["averaged"].bytes_received for r in replies] == [2 * elements + 2 * s for s in own]
+    assert [r.extra["averaged"].bytes_received for r in replies] == [4 * elements] * 3
     # averaged again over a alone: a's own move, rounded, from the same start, on a and on c
     alone = mean_of_moves(theta, moves[:1])
     for got in only_a:

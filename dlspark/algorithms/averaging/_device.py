@@ -149,7 +149,7 @@ def _round_function(net, master, exchange, fit: bool):
     def before(state, outer, batches, start, epoch, contributes, n):
         st, ost = first(state), first(outer)
         if moves:
-            ost, theta, residual, mres = ost
+            ost, theta, residual = ost
         losses = oks = jnp.zeros((0,))
         if fit:
             start = st.params
@@ -167,22 +167,15 @@ def _round_function(net, master, exchange, fit: bool):
             q = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in d]
             residual = [jnp.where(takes, x - y, r) for x, y, r in zip(d, q, residual, strict=True)]
             parts = [jnp.where(takes, y, jnp.zeros_like(y)) for y in q]
-            return (st, ost, start, losses, oks, n, theta, residual, mres), parts
+            return (st, ost, start, losses, oks, n, theta, residual), parts
         parts = exchange.mean_parts(averaged_part(st, master.save_updater), None if fit else contributes[0])
         return (st, ost, start, losses, oks, n), parts
 
     def after(kept, sums):
         st, ost, start, losses, oks, n = kept[:6]
         if moves:
-            theta, residual, mres = kept[6:]
-            mean = [x / n.astype(x.dtype) for x in sums]
-            # three or more contributors: the shares' owners send the mean move in bfloat16 with
-            # their residual, which every replica here holds alike (_numerics.mean_move_in_bfloat16)
-            shares = n >= 3
-            m = [y + r for y, r in zip(mean, mres, strict=True)]
-            q = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in m]
-            theta = [t + jnp.where(shares, b, y) for t, b, y in zip(theta, q, mean, strict=True)]
-            mres = [jnp.where(shares, x - b, r) for x, b, r in zip(m, q, mres, strict=True)]
+            theta, residual = kept[6:]
+            theta = [t + x / n.astype(x.dtype) for t, x in zip(theta, sums, strict=True)]
             mean = with_averaged_leaves(averaged_part(st, master.save_updater), theta)
         else:
             mean = exchange.mean_of(averaged_part(st, master.save_updater), sums, n)
@@ -193,7 +186,7 @@ def _round_function(net, master, exchange, fit: bool):
             st = st.replace(params=params)
         if moves:  # the next round's moves are taken from where it starts: this state, in float32
             ost = (ost, [x.astype(jnp.float32) for x in averaged_leaves(averaged_part(st, master.save_updater))],
-                   residual, mres)
+                   residual)
         return lead(st), lead(ost), losses[None], oks[None]
 
     # an averaging-only call's state shares buffers with its round-start parameters: no donation
@@ -220,12 +213,11 @@ def _equivalent_bytes(full: int, floats: int, n: int, receivers: int, moves: boo
     """What a cluster's replicas would have received for this round's mean (its ``bytes_received``):
     with two contributors every replica fetches the others' states, with three or more each
     contributor reduces a share of the floats and every replica gathers the shares. With
-    ``moves`` (``exchange_precision="bfloat16"``) the contributions, what a share is reduced
-    from, and with three or more contributors the gathered shares' means, take half of that."""
+    ``moves`` (``exchange_precision="bfloat16"``) the contributions, and so what a share is
+    reduced from, take half of that; the gathered means do not."""
     if n <= 2:
         return n * (receivers - 1) * (full // 2 if moves else full)
-    share = floats // 2 if moves else floats
-    return (n - 1) * share + (n - 1) * share + (receivers - n) * share
+    return (n - 1) * (floats // 2 if moves else floats) + (n - 1) * floats + (receivers - n) * floats
 
 
 class AveragingDeviceRun:
@@ -237,7 +229,6 @@ class AveragingDeviceRun:
         # compiled functions are kept by the wrapper: its later fits reuse them
         self._functions = runtime.cache
         self._plain = None  # the master of a round that ends in the plain mean (round_master)
-        self._shares = None  # the contributors of the last round averaged in shares (bfloat16 moves)
 
     def _function(self, kind, master):
         key = (kind, master)  # a master's settings shape its functions
@@ -271,7 +262,7 @@ class AveragingDeviceRun:
         if self.master.exchange_precision == "bfloat16":  # the first round's start, and no residual yet
             start = averaged_leaves(averaged_part(host, self.master.save_updater))
             theta = [np.stack([np.asarray(x, np.float32)] * n) for x in start]
-            outer = (outer, theta, [np.zeros_like(t) for t in theta], [np.zeros_like(t) for t in theta])
+            outer = (outer, theta, [np.zeros_like(t) for t in theta])
         return self.exchange.put(stacked), self.exchange.put(outer)
 
     def _outer_state(self, outer):
@@ -285,7 +276,6 @@ class AveragingDeviceRun:
         epochs_total = epochs if epochs_total is None else epochs_total
         base_step, base_epoch = net.iteration, net.epoch
         state, outer = self._replicate(net.state, saved_rngs)
-        self._shares = None
         k = master.longest_round
         depth = master.worker_prefetch_num_batches and max(master.worker_prefetch_num_batches, k)
         rounds = _Rounds(self.rt, refs, partitions, epochs, skip, math.ceil(depth / k))
@@ -351,11 +341,6 @@ class AveragingDeviceRun:
         """Dispatch one round; returns ``(state, outer state, losses, applied)``, still on the devices."""
         contributors = tuple(item["plan"].contributors)
         master = self.round_master(item["plan"])
-        if self.master.exchange_precision == "bfloat16" and len(contributors) >= 3 and contributors != self._shares:
-            # other contributors, other owners of the shares: the means' residual starts afresh,
-            # as on a cluster's replicas (_run.AveragingRun._average_in_shares)
-            outer = (*outer[:3], [jnp.zeros_like(r) for r in outer[3]])
-            self._shares = contributors
         args = (np.int32(epoch), self.exchange.mask(contributors), np.float32(len(contributors)))
         if item["regular"] and master.fused_steps:
             return self._function(True, master)(state, outer, item["batches"], (), *args)

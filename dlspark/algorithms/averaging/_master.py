@@ -55,15 +55,9 @@ class ParameterAveraging(Algorithm):
         updater's state with ``save_updater``) rounded to bfloat16, half of the bytes, with
         error feedback: what the rounding lost is kept by the replica and added to its next
         round's move, so nothing is lost for good. Every replica adds the same mean of the
-        rounded moves to the round's start, so the replicas stay equal. With three or more
-        contributors, where each reduces a share of the elements and every replica gathers
-        the shares, the shares' mean moves travel in bfloat16 too, each owner keeping its
-        rounding error for its next mean while the contributors stay the same (where they
-        change it starts at zero, losing at most one rounding of a mean move): half of
-        float32's bytes in both halves of the exchange. A replica keeps a float32 copy of the
-        round's start and its residual (two more copies of the averaged leaves; with three or
-        more, a third for its shares' means); a worker that joins, or a fit that resumes,
-        starts its residuals at zero.
+        rounded moves to the round's start, so the replicas stay equal. A replica keeps a
+        float32 copy of the round's start and its residual (two more copies of the averaged
+        leaves); a worker that joins, or a fit that resumes, starts its residual at zero.
         A :class:`~dlspark.ParallelWrapper` computes the same rounds (its devices exchange nothing
         over a network, so it gains nothing there; it trains as the cluster would). Measured
         on the parity suite (eight tasks, seeds 0-9, frequency 5): within a point of one

@@ -14,7 +14,7 @@ import optax
 
 __all__ = ["average_leaves", "average_on_device", "is_averaged", "averaged_indices", "averaged_part", "start_round", "share_bounds", "share_pieces",
            "take_share", "average_share", "assemble", "outer_step", "outer_state_from_arrays", "encode_moves",
-           "mean_of_moves", "mean_move_in_bfloat16", "add_moves"]
+           "mean_of_moves"]
 
 
 def is_averaged(a) -> bool:
@@ -190,47 +190,6 @@ def mean_of_moves(theta: list, moves: list) -> list:
     same order gets the same bits, whole leaves or slices."""
     columns = [[m[i] for m in moves] for i in range(len(theta))]
     return _mean_of_moves(list(theta), columns, np.float32(len(moves)))
-
-
-# With three or more contributors the shares' means travel in bfloat16 too: a share's owner
-# takes the mean of its contributors' moves, adds what the rounding of its last mean lost (its
-# residual for those elements), and sends that rounded to bfloat16, keeping the new rounding
-# error; every replica adds the same rounded mean to the round's start. So a round's bytes are
-# half of float32's in both halves of the exchange. The residual is kept while the contributors
-# stay the same (each element's owner then stays the same); where they change, it starts at
-# zero, losing at most one rounding of a mean move per element.
-@jax.jit
-def _mean_move(columns, residual, n):
-    bits, kept = [], []
-    for parts, r in zip(columns, residual, strict=True):
-        acc = jax.lax.bitcast_convert_type(parts[0], jnp.bfloat16).astype(jnp.float32)
-        for b in parts[1:]:
-            acc = acc + jax.lax.bitcast_convert_type(b, jnp.bfloat16).astype(jnp.float32)
-        m = acc / n + r
-        b = m.astype(jnp.bfloat16)
-        bits.append(jax.lax.bitcast_convert_type(b, jnp.uint16))
-        kept.append(m - b.astype(jnp.float32))
-    return bits, kept
-
-
-def mean_move_in_bfloat16(moves: list, residual: list) -> tuple[list, list]:
-    """The mean of the contributors' moves (each a list of slices' bfloat16 bits, in a fixed
-    order, summed as :func:`mean_of_moves` sums them) plus ``residual`` (float32, the same
-    slices), rounded to bfloat16: ``(its bits, what the rounding lost)``, both host arrays."""
-    columns = [[m[i] for m in moves] for i in range(len(residual))]
-    bits, kept = _mean_move(columns, list(residual), np.float32(len(moves)))
-    return [np.asarray(b) for b in bits], [np.asarray(k) for k in kept]
-
-
-@jax.jit
-def _add_moves(theta, bits):
-    return [t + jax.lax.bitcast_convert_type(b, jnp.bfloat16).astype(jnp.float32) for t, b in zip(theta, bits,
-                                                                                                    strict=True)]
-
-
-def add_moves(theta: list, bits: list) -> list:
-    """``theta`` (float32 leaves) plus moves given as bfloat16 bits of the same shapes."""
-    return _add_moves(list(theta), list(bits))
 
 
 # -- a replica's round ----------------------------------------------------------------

@@ -25,9 +25,9 @@ from ...distributed._run import WorkerRun
 from ...distributed._messages import FitReply, Unavailable
 from ...network import one_shape
 from ._messages import AverageOrder, AverageReply, Contribution, Share, SharedContribution
-from ._numerics import (add_moves, assemble, average_on_device, average_share, averaged_indices, encode_moves,
-                        mean_move_in_bfloat16, mean_of_moves, outer_step, round_steps, settled_scale, share_bounds,
-                        share_pieces, start_round, take_share)
+from ._numerics import (assemble, average_on_device, average_share, averaged_indices, encode_moves,
+                        mean_of_moves, outer_step, round_steps, settled_scale, share_bounds, share_pieces,
+                        start_round, take_share)
 
 __all__ = ["AveragingRun"]
 
@@ -73,11 +73,6 @@ class AveragingRun(WorkerRun):
         self.moves = self.master.exchange_precision == "bfloat16"
         self.theta: dict = {}  # round -> the averaged leaves the round started from (float32 copies, where they lie)
         self.residual: list | None = None
-        # With three or more contributors, the rounding error of the shares' means this replica
-        # owns (flat float32 per averaged leaf), kept while the contributors stay the same
-        self.mean_residual: list | None = None
-        self.mean_residual_for: tuple = ()
-        self.pending_residual: dict = {}  # round -> (pieces, residual) until the round's mean is set
         # Contributions cross to peers on this host through shared memory (see _shared);
         # rounds take the two segments in turn, so that a slow peer may still read the last.
         self.shared = {}  # round -> where its contribution lies in this worker's shared memory
@@ -127,7 +122,7 @@ class AveragingRun(WorkerRun):
     def forget_rounds_before(self, round):
         self.offered = {r for r in self.offered if r >= round}
         for kept in (self.contributions, self.ready, self.untouched, self.shares, self.round_start, self.shared,
-                     self.offers, self.theta, self.pending_residual):
+                     self.offers, self.theta):
             for r in [r for r in kept if r < round]:
                 del kept[r]
 
@@ -447,11 +442,6 @@ class AveragingRun(WorkerRun):
         leaves = jax.tree_util.tree_leaves(self.state)  # shapes and dtypes; the others are kept
         floats = self.mixed
         sizes = [leaves[i].size for i in floats]
-        if self.moves and (self.mean_residual is None or self.mean_residual_for != tuple(contributors)):
-            # other contributors own other elements: the means' residual starts afresh (every
-            # replica of the round sees the change, contributor or not)
-            self.mean_residual = [np.zeros(size, np.float32) for size in sizes]
-            self.mean_residual_for = tuple(contributors)
         slot = self.shares.setdefault(round, {}).setdefault((tuple(contributors), attempt), [asyncio.Event(), None])
         nbytes = 0
         if me in contributors and slot[1] is None:
@@ -470,7 +460,7 @@ class AveragingRun(WorkerRun):
                     parts.append(list(resp.leaves))
                     nbytes += sum(np.asarray(x).nbytes for x in parts[-1])
                 self.stats.mark("fetch", bytes=nbytes)
-                if self.moves:  # the mean of the share's moves, in bfloat16 with its residual
+                if self.moves:  # the share of the round's start plus the mean of its moves
                     slot[1] = ("OK", await self.compute(self._share_of_moves, round, pieces, parts))
                 else:
                     slot[1] = ("OK", await self.compute(average_share, parts))
@@ -497,34 +487,15 @@ class AveragingRun(WorkerRun):
             all_pieces += share_pieces(sizes, *share_bounds(sizes, n, k))
             all_values += values
         self.stats.mark("fetch", bytes=nbytes - own_bytes)
-        if self.moves:
-            await self.compute(self._then_outer, round, self._shares_of_moves_into_state, round, all_pieces,
-                               all_values)
-        else:
-            await self.compute(self._then_outer, round, self._set_floats, floats, all_pieces, all_values)
+        await self.compute(self._then_outer, round, self._set_floats, floats, all_pieces, all_values)
         self._drop_device_copy(round)
         self.stats.mark("average")
         return AverageReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes,
                             contributors=tuple(contributors))
 
     def _share_of_moves(self, round, pieces, parts):
-        """The bfloat16 bits of this replica's share of the round's mean move; the new residual
-        is kept aside until the round's mean is set (a failed round leaves it as it was)."""
-        bits, kept = mean_move_in_bfloat16(parts, take_share(self.mean_residual, pieces))
-        self.pending_residual[round] = (pieces, kept)
-        return bits
-
-    def _shares_of_moves_into_state(self, round, pieces, bits):
-        """The round's start plus the mean move its shares' owners sent (bfloat16 bits); this
-        replica's own share's residual is kept from now on."""
-        leaves = jax.tree_util.tree_leaves(self.state)
-        like = [jax.ShapeDtypeStruct(np.shape(t), np.uint16) for t in self.theta[round]]
-        new = add_moves(self.theta[round], assemble(like, pieces, bits))
-        self._set_mixed([x.astype(leaves[i].dtype, copy=False) for i, x in zip(self.mixed, new, strict=True)])
-        if round in self.pending_residual:
-            own, kept = self.pending_residual.pop(round)
-            for view, value in zip(take_share(self.mean_residual, own), kept, strict=True):
-                view[...] = value
+        theta = take_share([np.asarray(t) for t in self.theta[round]], pieces)
+        return [np.asarray(x) for x in mean_of_moves(theta, parts)]
 
     # -- requests from peers ----------------------------------------------------------
     async def peer_contribution(self, round: int, share: list | None = None, shared: bool = False):
