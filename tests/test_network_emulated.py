@@ -438,3 +438,31 @@ def test_three_hosts_average_in_shares_as_the_wrapper_computes_the_mean(three_ho
             assert apart.max() < 0.04 * 2.0 ** -9 and np.mean(apart > 1e-6) < 0.01, (apart.max(), np.mean(apart > 1e-6))
             gap = np.abs(ends - exact).max()
             assert 0 < gap < 0.01, gap  # a round moves an element by up to 0.04
+
+
+@pytest.mark.slow
+def test_three_hosts_share_gradients_through_a_relay_where_the_ends_cannot_meet(three_hosts, make_net, digits):
+    """Gradient sharing's tree mesh of fan-out 1 over three workers is a chain through the
+    middle one (in address order), which forwards each end's messages to the other. With the
+    two ends unable to reach each other (bridge isolation), both still reaching the scheduler
+    and the middle, a fit of two epochs trains every minibatch once and ends with the replicas
+    equal, as a plain mesh does where every pair can meet."""
+    net, client = three_hosts
+    order = sorted(range(HOSTS), key=lambda i: net.hosts[i].address)
+    ends = {}
+    for mesh in ("plain", "tree"):
+        master = GradientSharing(batch_size_per_worker=16, threshold_algorithm=dlspark.AdaptiveThreshold(initial=1e-2),
+                                 own_update="encoded", mesh=mesh, tree_fanout=1)
+        trainer = DistributedTrainer(client, make_net(), master, progress=False)
+        if mesh == "tree":
+            net.isolate(order[0], order[-1])
+        try:
+            trainer.fit(digits[0], epochs=2)
+        finally:
+            net.isolate(order[0], order[-1], on=False)
+        per_epoch = _minibatches_per_epoch(trainer)
+        assert per_epoch == {0: per_epoch[0], 1: per_epoch[0]} and per_epoch[0] > 0, per_epoch
+        assert all(s["workers"] == HOSTS for s in trainer.last_fit_stats)
+        assert trainer.replica_divergence <= 1e-5, (mesh, trainer.replica_divergence)
+        ends[mesh] = trainer.communication["bytes_sent"]
+    assert ends["tree"] == ends["plain"] > 0  # each message counted once per peer it reaches, relayed or not
