@@ -79,7 +79,8 @@ class DistributedTrainer:
         the outer optimizer's ``outer_state``).
     published : dict
         The algorithm's running figures, read as attributes too (gradient
-        sharing's ``communication`` and ``replica_divergence``).
+        sharing's ``communication``, summed over the trainer's fits, and
+        ``replica_divergence``, the last fit's).
 
     Examples
     --------
