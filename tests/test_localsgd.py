@@ -3,7 +3,7 @@ unchanged on a 2-worker cluster and on ParallelWrapper over 2 CPU devices.
 
 The oracle is the algorithm done by hand in this process: each replica's local steps from
 the round's start, its pseudo-gradient plus the error it kept, rounded to bfloat16, the
-mean in float32, the step from the round's start.
+mean in float32, the step from the round's start (the outer step after full rounds only).
 """
 
 import jax
@@ -19,7 +19,7 @@ from dlspark.algorithms import LocalSGD
 CPU2 = jax.devices("cpu")[:2]
 
 
-def _by_hand(net, batches, workers, k, tx=None):
+def _by_hand(net, batches, workers, k, tx=None, gate=True):
     start = net.state
     rngs = [start.rng] + [jax.random.fold_in(start.rng, r) for r in range(1, workers)]
     states = [start.replace(rng=r) for r in rngs]
@@ -27,11 +27,12 @@ def _by_hand(net, batches, workers, k, tx=None):
     outer = None if tx is None else tx.init(start.params)
     for r0 in range(0, len(batches), workers * k):
         chunk = batches[r0:r0 + workers * k]
-        sent = []
+        sent, full = [], True
         x0 = states[0].params
         for w, share in enumerate(np.array_split(np.arange(len(chunk)), workers)):
             if len(share) == 0:
                 continue
+            full = full and len(share) >= k
             st = states[w]
             for i in share:
                 st = net.steps.train_step(jax.tree_util.tree_map(lambda a: a.copy(), st),
@@ -42,7 +43,7 @@ def _by_hand(net, batches, workers, k, tx=None):
             sent.append(q)
             states[w] = st
         mean = jax.tree_util.tree_map(lambda *xs: sum(x.astype(np.float32) for x in xs) / np.float32(len(xs)), *sent)
-        if tx is None:
+        if tx is None or (gate and not full):  # a short round (some contributor fitted fewer than k): the mean itself
             params = jax.tree_util.tree_map(lambda s, g: s - g, x0, mean)
         else:
             updates, outer = tx.update(mean, outer, x0)
@@ -97,11 +98,29 @@ def test_the_pseudo_gradient_is_sent_in_bfloat16_with_error_feedback():
         LocalSGD(local_steps=0)
 
 
+def test_a_short_round_steps_by_the_mean_and_skips_the_outer_step(make_net, digits):
+    # 10 minibatches of 32 over 2 devices at 2 local steps: rounds of 2 + 2, 2 + 2 and 1 + 1; the
+    # last is short. Done by hand with its outer step, the fit ends measurably elsewhere
+    tr, _ = digits
+    tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    net = make_net(MLP())
+    ParallelWrapper(net, LocalSGD(batch_size_per_worker=32, local_steps=2, outer_updater=tx), CPU2,
+                    progress=False).fit(tr[:320])
+    batches = tr[:320].batches(32)
+    _close(net.state.params, _by_hand(make_net(MLP()), batches, 2, 2, tx).params, atol=1e-6)
+    every = _by_hand(make_net(MLP()), batches, 2, 2, tx, gate=False)
+    gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
+        jax.tree_util.tree_leaves(net.state.params), jax.tree_util.tree_leaves(every.params), strict=True))
+    assert gap > 1e-4, gap
+
+
 @pytest.mark.slow
-def test_local_sgd_on_a_two_worker_cluster_ends_where_the_wrapper_ends(client2, make_net, digits):
+@pytest.mark.parametrize("tx", [None, optax.sgd(0.7, momentum=0.9, nesterov=True)], ids=["plain", "outer"])
+def test_local_sgd_on_a_two_worker_cluster_ends_where_the_wrapper_ends(client2, make_net, digits, tx):
+    # the last round is short (1 + 1): with an outer optimizer both runtimes skip its outer step
     tr, _ = digits
     data = tr[:320]
-    master = LocalSGD(batch_size_per_worker=32, local_steps=2, training_approach="direct")
+    master = LocalSGD(batch_size_per_worker=32, local_steps=2, training_approach="direct", outer_updater=tx)
     cluster = make_net(MLP(dropout=0.2))
     trainer = DistributedTrainer(client2, cluster, master, progress=False)
     trainer.fit(data)

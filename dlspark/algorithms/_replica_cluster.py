@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -20,17 +22,37 @@ from distributed.protocol import to_serialize
 from ..distributed._messages import FitReply, Unavailable
 from ..distributed._peers import call_peer
 from ..distributed._run import WorkerRun
-from ._mean_round import Leaves, MeanOrder, MeanReply, MeanRoundDriver
+from ._mean_round import Leaves, MeanOrder, MeanReply, MeanRoundDriver, MeanWith
 from ._replica_common import ReplicaFigures, mean_of
 
 __all__ = ["ReplicaRun", "ReplicaDriver"]
 
 
+@dataclass(frozen=True)
+class ReplicaWith(MeanWith):
+    """A fit order's plan; ``full``: every contributor fits ``steps_per_round`` minibatches or
+    more this round (else the replicas end it with ``finish_short``)."""
+
+    full: bool = True
+
+
+@dataclass(frozen=True)
+class ReplicaOrder(MeanOrder):
+    """Take ``round``'s mean over ``contributors``; ``full`` as in :class:`ReplicaWith`."""
+
+    full: bool = True
+
+
 class ReplicaDriver(MeanRoundDriver):
     """The round of :class:`~dlspark.algorithms._mean_round.MeanRoundDriver`, with the
-    replica's figures."""
+    replica's figures, each round marked full or short."""
 
     failure = "the replicas could not take the round's mean"
+    order: ClassVar[type[MeanOrder]] = ReplicaOrder
+    plan: ClassVar[type[MeanWith]] = ReplicaWith
+
+    def round_options(self, plan) -> dict:
+        return {"full": plan.fewest_minibatches >= self.options.steps_per_round}
 
     def round_stats(self) -> ReplicaFigures:
         m = [r for r in self.means.values() if isinstance(r, MeanReply)]
@@ -47,7 +69,7 @@ class ReplicaRun(WorkerRun):
         m = self.master
         self.carry = m.init_carry(self.state.params)
         self._contribute = jax.jit(m.contribute)
-        self._finish = jax.jit(m.finish)
+        self._finish = {True: jax.jit(m.finish), False: jax.jit(m.finish_short)}  # full round or not
         self.rounds: dict = {}  # round -> (start params, carry before the finish)
         self.contributions: dict = {}  # round -> host leaves, or None (its fit failed)
         self.ready: dict = {}  # round -> Event, set when its contribution is known
@@ -89,12 +111,12 @@ class ReplicaRun(WorkerRun):
                 "steps": tuple((float(x), n) for (x, _), n in zip(losses, sizes)),
                 "fit_time": time.perf_counter() - t0, "data_wait": self.prefetch.wait_time - wait0}
 
-    def _take_mean(self, round, contributions):
+    def _take_mean(self, round, contributions, full):
         start, carry = self.rounds[round]
         # the contributions' structure (a replica with no data this round made none itself)
         like = jax.tree_util.tree_structure(jax.eval_shape(self.master.contribute, start, start, carry)[0])
         mean = mean_of([jax.tree_util.tree_unflatten(like, c) for c in contributions])
-        params, self.carry = self._finish(start, mean, carry)
+        params, self.carry = self._finish[full](start, mean, carry)
         self.state = self.state.replace(params=params)
 
     # -- orders -----------------------------------------------------------------------
@@ -108,7 +130,7 @@ class ReplicaRun(WorkerRun):
             raise
         finally:
             self.ready.setdefault(round, asyncio.Event()).set()
-        done = await self.order_mean(MeanOrder(round, tuple(order.plan.contributors)))
+        done = await self.order_mean(ReplicaOrder(round, tuple(order.plan.contributors), full=order.plan.full))
         return FitReply(unreachable=done.unreachable, extra={"mean": done}, **result)
 
     async def order_mean(self, order):
@@ -131,7 +153,7 @@ class ReplicaRun(WorkerRun):
             parts.append(list(resp.leaves))
             nbytes += sum(np.asarray(x).nbytes for x in resp.leaves)
         t_fetch = time.perf_counter() - t0
-        await self.compute(self._take_mean, round, parts)
+        await self.compute(self._take_mean, round, parts, order.full)
         return MeanReply(avg_time=time.perf_counter() - t0, fetch_time=t_fetch, bytes_received=nbytes)
 
     async def _ask(self, addr, round):

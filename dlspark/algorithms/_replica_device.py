@@ -24,8 +24,10 @@ from ._replica_common import ReplicaFigures
 __all__ = ["ReplicaDeviceRun"]
 
 
-def _finish_function(master, exchange):
-    """Every replica's contribution, the mean over the contributors, and its finish, in one call."""
+def _finish_function(master, exchange, short: bool = False):
+    """Every replica's contribution, the mean over the contributors, and its finish (with
+    ``short``, its ``finish_short``), in one call."""
+    finish = master.finish_short if short else master.finish
 
     def before(start, params, carry, contributes, n):
         start, params, carry, c = first(start), first(params), first(carry), contributes[0]
@@ -38,7 +40,7 @@ def _finish_function(master, exchange):
     def after(kept, sums):
         start, carry, n = kept
         mean = jax.tree_util.tree_map(lambda s: s / n, sums)
-        params, carry = master.finish(start, mean, carry)
+        params, carry = finish(start, mean, carry)
         return lead(params), lead(carry)
 
     return exchange.spmd_summed(before, after, replicated=(4,))
@@ -50,10 +52,12 @@ class ReplicaDeviceRun:
     def __init__(self, runtime):
         self.rt = runtime
         self.net, self.master, self.exchange = runtime.network, runtime.master, runtime.exchange
-        key = ("replica-finish", self.master)
-        if key not in runtime.cache:
-            runtime.cache[key] = _finish_function(self.master, self.exchange)
-        self._finish = runtime.cache[key]
+        self._finish = {}  # full round or not -> its compiled finish
+        for full in (True, False):
+            key = ("replica-finish", self.master, full)
+            if key not in runtime.cache:
+                runtime.cache[key] = _finish_function(self.master, self.exchange, short=not full)
+            self._finish[full] = runtime.cache[key]
 
     def fit(self, refs, partitions, epochs, skip=(), saved_rngs=None, epochs_done=0, epochs_total=None,
             checkpoint_every=None, checkpoint_url=None) -> FitOutcome:
@@ -99,7 +103,9 @@ class ReplicaDeviceRun:
                     j += 1
             stacked = [ex.stack([lead(t) for t in trees]) for trees in
                        (starts, [s.params for s in states], carries)]
-            params, carry = self._finish(*stacked, ex.mask(plan.contributors), np.float32(len(plan.contributors)))
+            full = plan.fewest_minibatches >= master.steps_per_round  # as a cluster's driver marks it
+            params, carry = self._finish[full](*stacked, ex.mask(plan.contributors),
+                                               np.float32(len(plan.contributors)))
             for r, d in enumerate(ex.devices):
                 states[r] = states[r].replace(params=jax.tree_util.tree_map(lambda x: by_device(x)[d][0], params))
                 carries[r] = jax.tree_util.tree_map(lambda x: by_device(x)[d][0], carry)

@@ -16,7 +16,11 @@ replica: the mean is a ``psum`` over the device mesh). A round is:
 4. the mean of the contributions over the round's contributors, in float32
    (a sum, then one divide, in the contributors' order);
 5. ``finish(start, mean, carry) -> (params, carry)``: every replica's new
-   parameters, the same on each.
+   parameters, the same on each; after a *short* round, in which some
+   contributor fitted fewer than ``steps_per_round`` minibatches (an epoch's
+   last, or every round where an epoch holds fewer minibatches a replica),
+   ``finish_short`` instead, which is ``finish`` unless the algorithm says
+   otherwise (an outer optimizer set for a period may skip such a round).
 
 ``carry`` is what a replica keeps from round to round (error feedback, an
 outer optimizer's state): ``init_carry(params)`` makes it at the start of each
@@ -70,6 +74,11 @@ class ReplicaAlgorithm(Algorithm):
     @abc.abstractmethod
     def finish(self, start, mean, carry):
         """``(params, carry)``: the parameters every replica goes on from (pure JAX)."""
+
+    def finish_short(self, start, mean, carry):
+        """:meth:`finish` for a round in which some contributor fitted fewer than
+        ``steps_per_round`` minibatches (pure JAX); by default :meth:`finish` itself."""
+        return self.finish(start, mean, carry)
 
     # -- the engine's hooks ---------------------------------------------------------------
     def create_driver(self, options):

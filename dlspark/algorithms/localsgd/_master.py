@@ -25,7 +25,10 @@ class LocalSGD(ReplicaAlgorithm):
     feedback, so nothing is lost for good). The replicas take the mean of the bfloat16
     pseudo-gradients in float32 and step from the round-start parameters: by the mean
     itself, or, with ``outer_updater``, by that optax transformation's update of it
-    (DiLoCo's outer step). Error feedback and the outer state start afresh with each fit.
+    (DiLoCo's outer step) after a round in which every contributor fitted ``local_steps``
+    minibatches; a shorter round (an epoch's last) steps by the mean and leaves the outer
+    state as it was, as :class:`~dlspark.ParameterAveraging`'s outer step does. Error
+    feedback and the outer state start afresh with each fit.
 
     Parameters
     ----------
@@ -72,3 +75,9 @@ class LocalSGD(ReplicaAlgorithm):
             return jax.tree_util.tree_map(lambda s, g: s - g, start, grad), carry
         updates, outer = self.outer_updater.update(grad, outer, start)
         return optax.apply_updates(start, updates), (error, outer)
+
+    def finish_short(self, start, mean, carry):
+        """A short round steps by the mean pseudo-gradient itself; the outer state stays as it
+        was (the outer step is set for rounds of ``local_steps``)."""
+        grad = jax.tree_util.tree_map(lambda g, s: g.astype(jnp.result_type(s)), mean, start)
+        return jax.tree_util.tree_map(lambda s, g: s - g, start, grad), carry
