@@ -14,7 +14,7 @@ import pytest
 from conftest import MLP, accuracy
 
 from dlspark import DistributedTrainer, ParallelWrapper
-from dlspark.algorithms import LocalSGD
+from dlspark.algorithms import LocalSGD, ReplicaAlgorithm
 
 CPU2 = jax.devices("cpu")[:2]
 
@@ -112,6 +112,9 @@ def test_a_short_round_steps_by_the_mean_and_skips_the_outer_step(make_net, digi
     gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
         jax.tree_util.tree_leaves(net.state.params), jax.tree_util.tree_leaves(every.params), strict=True))
     assert gap > 1e-4, gap
+    # an algorithm that keeps the default finish_short gets one compiled finish for both kinds
+    assert LocalSGD().short_rounds_differ
+    assert not type("Plain", (LocalSGD,), {"finish_short": ReplicaAlgorithm.finish_short})().short_rounds_differ
 
 
 @pytest.mark.slow

@@ -69,7 +69,8 @@ class ReplicaRun(WorkerRun):
         m = self.master
         self.carry = m.init_carry(self.state.params)
         self._contribute = jax.jit(m.contribute)
-        self._finish = {True: jax.jit(m.finish), False: jax.jit(m.finish_short)}  # full round or not
+        finish = jax.jit(m.finish)  # full round or not: one compiled finish unless they differ
+        self._finish = {True: finish, False: jax.jit(m.finish_short) if m.short_rounds_differ else finish}
         self.rounds: dict = {}  # round -> (start params, carry before the finish)
         self.contributions: dict = {}  # round -> host leaves, or None (its fit failed)
         self.ready: dict = {}  # round -> Event, set when its contribution is known

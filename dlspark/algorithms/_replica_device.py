@@ -52,12 +52,13 @@ class ReplicaDeviceRun:
     def __init__(self, runtime):
         self.rt = runtime
         self.net, self.master, self.exchange = runtime.network, runtime.master, runtime.exchange
-        self._finish = {}  # full round or not -> its compiled finish
-        for full in (True, False):
+        self._finish = {}  # full round or not -> its compiled finish (one, unless they differ)
+        for full in (True, False) if self.master.short_rounds_differ else (True,):
             key = ("replica-finish", self.master, full)
             if key not in runtime.cache:
                 runtime.cache[key] = _finish_function(self.master, self.exchange, short=not full)
             self._finish[full] = runtime.cache[key]
+        self._finish.setdefault(False, self._finish[True])
 
     def fit(self, refs, partitions, epochs, skip=(), saved_rngs=None, epochs_done=0, epochs_total=None,
             checkpoint_every=None, checkpoint_url=None) -> FitOutcome:

@@ -80,6 +80,12 @@ class ReplicaAlgorithm(Algorithm):
         ``steps_per_round`` minibatches (pure JAX); by default :meth:`finish` itself."""
         return self.finish(start, mean, carry)
 
+    @property
+    def short_rounds_differ(self) -> bool:
+        """Whether the algorithm finishes a short round its own way (so that the engine
+        compiles a second finish only then)."""
+        return type(self).finish_short is not ReplicaAlgorithm.finish_short
+
     # -- the engine's hooks ---------------------------------------------------------------
     def create_driver(self, options):
         return ReplicaDriver(options)
