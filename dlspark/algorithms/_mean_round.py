@@ -24,19 +24,24 @@ __all__ = ["MeanWith", "MeanOrder", "MeanReply", "Leaves", "MeanRoundDriver"]
 
 @dataclass(frozen=True)
 class MeanWith:
-    """A fit order's plan: take the mean with these contributors as soon as the fit is done."""
+    """A fit order's plan: take the mean with these contributors as soon as the fit is done;
+    ``full``: the round is full (:meth:`~dlspark.distributed._plan.RoundPlan.is_full`), which an
+    algorithm may finish otherwise than a short one."""
 
     contributors: tuple
+    full: bool = True
 
 
 @dataclass(frozen=True)
 class MeanOrder(Order):
-    """Finish ``round`` with the mean over ``contributors``; ``attempt`` numbers the coordinator's tries."""
+    """Finish ``round`` with the mean over ``contributors``; ``attempt`` numbers the coordinator's
+    tries; ``full`` as in :class:`MeanWith`."""
 
     op: ClassVar[str] = "mean"
     round: int = 0
     contributors: tuple = ()
     attempt: int = 0
+    full: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,26 +93,21 @@ class MeanRoundDriver(RoundDriver):
         #: worker -> the reply to its latest mean of the round
         self.means: dict = {}
         self.fitted = False
-        self.extra: dict = {}
-
-    def round_options(self, plan) -> dict:
-        """What a round's plan and mean orders carry beyond its contributors, as their fields
-        (a subclass's; none here)."""
-        return {}
+        self.full = True
 
     def begin(self, plan, hint: dict, live: frozenset) -> list:
         self.round, self.expected = plan.round, tuple(plan.contributors)
         self.fits, self.means, self.fitted = {}, {}, False
-        self.extra = self.round_options(plan)
+        self.full = plan.is_full(self.options.steps_per_round)  # the plan and every mean order carry it
         epoch = self.options.base_epoch + plan.epoch
         orders: list = []
         for w in sorted(live):
             refs = tuple(plan.assignment.get(w) or ())
             if refs:
                 orders.append((w, FitOrder(round=plan.round, epoch=epoch, refs=refs, next_refs=tuple(hint.get(w, ())),
-                                           plan=self.plan(self.expected, **self.extra))))
+                                           plan=self.plan(self.expected, full=self.full))))
             else:
-                orders.append((w, self.order(plan.round, self.expected, 0, **self.extra)))
+                orders.append((w, self.order(plan.round, self.expected, 0, full=self.full)))
         return orders
 
     def step(self, replies: dict[str, Reply], live: frozenset, attempt: int):
@@ -122,4 +122,4 @@ class MeanRoundDriver(RoundDriver):
         if list(self.expected) == self.contributors and all(_took_mean(replies.get(w)) for w in receivers):
             return RoundDone(tuple(self.contributors))
         self.expected = tuple(self.contributors)
-        return [(w, self.order(self.round, self.expected, attempt, **self.extra)) for w in receivers]
+        return [(w, self.order(self.round, self.expected, attempt, full=self.full)) for w in receivers]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,37 +20,17 @@ from distributed.protocol import to_serialize
 from ..distributed._messages import FitReply, Unavailable
 from ..distributed._peers import call_peer
 from ..distributed._run import WorkerRun
-from ._mean_round import Leaves, MeanOrder, MeanReply, MeanRoundDriver, MeanWith
+from ._mean_round import Leaves, MeanOrder, MeanReply, MeanRoundDriver
 from ._replica_common import ReplicaFigures, mean_of
 
 __all__ = ["ReplicaRun", "ReplicaDriver"]
 
 
-@dataclass(frozen=True)
-class ReplicaWith(MeanWith):
-    """A fit order's plan; ``full``: every contributor fits ``steps_per_round`` minibatches or
-    more this round (else the replicas end it with ``finish_short``)."""
-
-    full: bool = True
-
-
-@dataclass(frozen=True)
-class ReplicaOrder(MeanOrder):
-    """Take ``round``'s mean over ``contributors``; ``full`` as in :class:`ReplicaWith`."""
-
-    full: bool = True
-
-
 class ReplicaDriver(MeanRoundDriver):
     """The round of :class:`~dlspark.algorithms._mean_round.MeanRoundDriver`, with the
-    replica's figures, each round marked full or short."""
+    replica's figures (a short round's replicas end it with ``finish_short``)."""
 
     failure = "the replicas could not take the round's mean"
-    order: ClassVar[type[MeanOrder]] = ReplicaOrder
-    plan: ClassVar[type[MeanWith]] = ReplicaWith
-
-    def round_options(self, plan) -> dict:
-        return {"full": plan.fewest_minibatches >= self.options.steps_per_round}
 
     def round_stats(self) -> ReplicaFigures:
         m = [r for r in self.means.values() if isinstance(r, MeanReply)]
@@ -131,7 +109,7 @@ class ReplicaRun(WorkerRun):
             raise
         finally:
             self.ready.setdefault(round, asyncio.Event()).set()
-        done = await self.order_mean(ReplicaOrder(round, tuple(order.plan.contributors), full=order.plan.full))
+        done = await self.order_mean(MeanOrder(round, tuple(order.plan.contributors), full=order.plan.full))
         return FitReply(unreachable=done.unreachable, extra={"mean": done}, **result)
 
     async def order_mean(self, order):

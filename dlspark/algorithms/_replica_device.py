@@ -104,7 +104,7 @@ class ReplicaDeviceRun:
                     j += 1
             stacked = [ex.stack([lead(t) for t in trees]) for trees in
                        (starts, [s.params for s in states], carries)]
-            full = plan.fewest_minibatches >= master.steps_per_round  # as a cluster's driver marks it
+            full = plan.is_full(master.steps_per_round)  # as a cluster's driver marks it
             params, carry = self._finish[full](*stacked, ex.mask(plan.contributors),
                                                np.float32(len(plan.contributors)))
             for r, d in enumerate(ex.devices):

@@ -40,6 +40,11 @@ class RoundPlan:
         """The fewest minibatches a contributor fits this round (0 without contributors)."""
         return min((len(refs) for refs in self.assignment.values() if refs), default=0)
 
+    def is_full(self, steps_per_round: int) -> bool:
+        """Whether the round is full: every contributor fits ``steps_per_round`` minibatches or
+        more (an epoch's last round, or every round of an epoch shorter than that, is not)."""
+        return self.fewest_minibatches >= steps_per_round
+
 
 class Coordinator:
     """Round planner with exactly-once accounting of minibatches per epoch.

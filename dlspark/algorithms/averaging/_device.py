@@ -243,8 +243,7 @@ class AveragingDeviceRun:
         contributor fits ``averaging_frequency`` minibatches, as a cluster's driver decides);
         else the fit's without its outer optimizer (the plain mean, the outer state carried
         through as it is), as a cluster's workers run such a round."""
-        if self.master.outer_updater is None or self.master.takes_outer_step(
-                plan.fewest_minibatches >= self.master.steps_per_round):
+        if self.master.outer_updater is None or self.master.takes_outer_step(plan.is_full(self.master.steps_per_round)):
             return self.master
         if self._plain is None:
             self._plain = replace(self.master, outer_updater=None)

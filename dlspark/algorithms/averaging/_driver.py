@@ -21,11 +21,6 @@ class AveragingDriver(MeanRoundDriver):
     plan: ClassVar[type[AverageWith]] = AverageWith
     reply_key: ClassVar[str] = "averaged"
 
-    def round_options(self, plan) -> dict:
-        """Whether the round is full: every contributor fits ``steps_per_round`` minibatches or
-        more (an outer optimizer steps only after such a round)."""
-        return {"full": plan.fewest_minibatches >= self.options.steps_per_round}
-
     def round_stats(self) -> AveragingFigures:
         a = [r for r in self.means.values() if isinstance(r, AverageReply)]
         received = sum(x.bytes_received for x in a)

@@ -15,11 +15,8 @@ __all__ = ["AveragingFigures", "AverageWith", "AverageOrder", "AverageReply", "C
 
 @dataclass(frozen=True)
 class AverageWith(MeanWith):
-    """A fit order's plan: average with these contributors as soon as the fit is done; ``full``:
-    every contributor fits ``averaging_frequency`` minibatches or more this round (only such a
-    round takes an outer optimizer's step)."""
-
-    full: bool = True
+    """A fit order's plan: average with these contributors as soon as the fit is done; only a
+    ``full`` round takes an outer optimizer's step."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +25,6 @@ class AverageOrder(MeanOrder):
     ``full`` as in :class:`AverageWith`."""
 
     op: ClassVar[str] = "average"
-    full: bool = True
 
 
 @dataclass(frozen=True)
