@@ -10,11 +10,13 @@ plain ``jax.jit`` + optax process pinned to one core, run before and after it in
 beside what dlspark reports. torch DDP (gloo, one rank per namespace, ``GLOO_SOCKET_IFNAME``)
 is the field's baseline, plain and with its ``fp16_compress_hook`` and ``powerSGD_hook``; each
 framework's scaling over its own single process is reported too, so that torch's and XLA's
-CPU speeds are not read as an algorithm's merit.
+CPU speeds are not read as an algorithm's merit. ``--delays`` adds a one-way delay between
+the hosts (iptables needed), for designs bound by round trips.
 
 Run::
 
     python benchmarks/bench_network.py --rates unlimited 1gbit --runs 3 --out docs/_data/bench_network.json
+    python benchmarks/bench_network.py --rates 1gbit --delays none 1ms --runs 3   # with latency
 
 Under asv, :class:`TrackNetwork` measures one contender at one rate per call.
 """
@@ -439,9 +441,14 @@ def time_to_target(curve):
     return None
 
 
+def _link(rate, delay):
+    """A link's name in the tables: its rate, and its one-way delay where there is one."""
+    return rate if delay is None else f"{rate}, {delay * 1e3:g} ms one way"
+
+
 def measure_curve(net, client, contender, rate, n, max_epochs, single):
-    """One contender's time to the target accuracy at one rate, over its framework's single
-    process (``single``: that process's :func:`time_to_target`)."""
+    """One contender's time to the target accuracy at one rate (and the harness's delay), over
+    its framework's single process (``single``: that process's :func:`time_to_target`)."""
     net.set_rate(rate)
     if contender.startswith("ddp"):
         hook = {"ddp": "none", "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}[contender]
@@ -450,7 +457,7 @@ def measure_curve(net, client, contender, rate, n, max_epochs, single):
         with _worker_config(client, contender):
             curve = dlspark_curve(client, contender, n, max_epochs)
     reached = time_to_target(curve)
-    return {"contender": contender, "rate": rate, "curve": curve, "to_target": reached,
+    return {"contender": contender, "rate": rate, "delay": net.delay, "curve": curve, "to_target": reached,
             "over_own_single_process": None if not (reached and single) else single["seconds"] / reached["seconds"]}
 
 
@@ -471,25 +478,42 @@ def _spread(values):
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
+def _delay_cpu(net):
+    """CPU seconds the processes that hold the hosts' packets have used (0 without a delay):
+    they share the machine's cores with the workers."""
+    import psutil
+
+    total = 0.0
+    for h in net.hosts:
+        if h.delayer is not None:
+            t = psutil.Process(h.delayer.pid).cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def measure(net, client, contender, rate, n, epochs, runs, single=None):
-    """One contender at one rate: examples/s over the plain process (before and after it)."""
+    """One contender at one rate (and the harness's delay): examples/s over the plain process
+    (before and after it)."""
     net.set_rate(rate)
     plain_before = run_plain(n, epochs)
+    delay_cpu = _delay_cpu(net)
     if contender.startswith("ddp"):
         hook = {"ddp": "none", "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}[contender]
         r = run_torch(net, n, epochs, runs, hook, len(net.hosts))
     else:
         with _worker_config(client, contender):
             r = run_dlspark(net, client, contender, n, epochs, runs)
+    delay_cpu = _delay_cpu(net) - delay_cpu
     plain_after = run_plain(n, epochs)
     plain = (plain_before + plain_after) / 2
     speeds = [r["examples"] / s for s in r["seconds"]]
-    out = {"contender": contender, "rate": rate, "examples_per_s": _spread(speeds),
+    out = {"contender": contender, "rate": rate, "delay": net.delay, "examples_per_s": _spread(speeds),
            "over_plain": _spread([s / plain for s in speeds]), "plain_examples_per_s": [plain_before, plain_after],
            "fit_seconds": _spread(r["seconds"]), "wire_tx_per_worker_per_fit": r.get("wire_tx_per_worker"),
            "wire_rx_per_worker_per_fit": r.get("wire_rx_per_worker"),
            "wire_tx_busiest_worker_per_fit": r.get("wire_tx_busiest"),
-           "reported_per_worker_per_fit": r.get("reported_per_worker")}
+           "reported_per_worker_per_fit": r.get("reported_per_worker"),
+           "delay_cpu_seconds_per_fit": delay_cpu / (runs + 1)}  # the warm fit's too
     if single:
         out["over_own_single_process"] = _spread([s / single for s in speeds])
     return out
@@ -516,7 +540,8 @@ def table(rows, a):
             "columns": ["link rate", "contender", "examples/s over the plain JAX process",
                         "over its own single process", "fit s", "wire MB sent per worker per fit (counters)",
                         "wire MB sent by the busiest worker per fit", "MB dlspark reports per worker per fit"],
-            "rows": [[r["rate"], r["contender"], _ratio(r["over_plain"]), _ratio(r["over_own_single_process"]),
+            "rows": [[_link(r["rate"], r.get("delay")), r["contender"], _ratio(r["over_plain"]),
+                      _ratio(r["over_own_single_process"]),
                       f"{r['fit_seconds']['median']:.2f}", _mb(r["wire_tx_per_worker_per_fit"]),
                       _mb(r.get("wire_tx_busiest_worker_per_fit")), _mb(r["reported_per_worker_per_fit"])]
                      for r in rows],
@@ -536,7 +561,7 @@ def curve_table(curves, singles):
                      ("" if torch_one is None else ", torch " + cell(torch_one)) + ")",
             "columns": ["link rate", "contender", "time to the target (epochs)", "over the plain JAX process's time",
                         "over its own single process's time"],
-            "rows": [[r["rate"], r["contender"], cell(r["to_target"]),
+            "rows": [[_link(r["rate"], r.get("delay")), r["contender"], cell(r["to_target"]),
                       "" if not (r["to_target"] and jax_one) else f"{jax_one['seconds'] / r['to_target']['seconds']:.2f}x",
                       "" if r["over_own_single_process"] is None else f"{r['over_own_single_process']:.2f}x"]
                      for r in curves],
@@ -547,6 +572,8 @@ def curve_table(curves, singles):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="+", default=["unlimited", "1gbit"])
+    p.add_argument("--delays", nargs="+", default=["none"],
+                   help="one-way delays between the hosts, each run at every rate: none, or such as 500us, 2ms")
     p.add_argument("--contenders", nargs="+", default=list(DEFAULT_CONTENDERS),
                    help=f"of {CONTENDERS}, or sharing-bandL-H (AdaptiveThreshold(min_sparsity=L, max_sparsity=H))")
     p.add_argument("--examples", type=int, default=16000)
@@ -561,7 +588,14 @@ def main(argv=None):
         p.error("--runs must be at least 1, or 0 with --to-accuracy (the time to accuracy alone)")
     from distributed import Client
 
-    from dlspark.testing import emulated_cluster
+    from dlspark.testing import emulated_cluster, latency_unavailable, parse_delay
+
+    try:
+        delays = [None if d == "none" else parse_delay(d) for d in a.delays]
+    except ValueError as e:
+        p.error(str(e))
+    if any(delays) and latency_unavailable():
+        p.error(f"--delays: {latency_unavailable()}")
 
     rows = []
     load_before = os.getloadavg()
@@ -578,19 +612,21 @@ def main(argv=None):
     t_start = time.time()
     curves = []
     with emulated_cluster(2) as net, Client(net.scheduler_address, set_as_default=False) as client:
-        for rate in a.rates:
+        for delay, rate in ((d, r) for d in delays for r in a.rates):
+            net.set_delay(delay)
+            link = _link(rate, delay)
             for c in a.contenders if a.to_accuracy else ():
                 one = singles["torch" if c.startswith("ddp") else "jax"]["to_target"]
                 row = measure_curve(net, client, c, rate, a.examples, a.curve_epochs, one)
                 curves.append(row)
-                print(f"{rate:>9} {c:>18}: {row['to_target']} to {TARGET_ACCURACY} held-out accuracy, "
+                print(f"{link:>9} {c:>18}: {row['to_target']} to {TARGET_ACCURACY} held-out accuracy, "
                       f"{row['over_own_single_process'] or 0:.2f}x its own single process ({row['curve']})",
                       flush=True)
             for c in a.contenders if a.runs else ():
                 single = torch_one if c.startswith("ddp") else jax_single
                 row = measure(net, client, c, rate, a.examples, a.epochs, a.runs, single)
                 rows.append(row)
-                print(f"{rate:>9} {c:>18}: {row['over_plain']['median']:.2f}x plain "
+                print(f"{link:>9} {c:>18}: {row['over_plain']['median']:.2f}x plain "
                       f"({row['over_plain']['min']:.2f}-{row['over_plain']['max']:.2f}), "
                       f"{row['over_own_single_process']['median']:.2f}x its own single process, "
                       f"wire {row['wire_tx_per_worker_per_fit'] or 0:.3g} B/worker/fit, "
@@ -607,7 +643,7 @@ def main(argv=None):
               "install": install(NUMERIC_PACKAGES + ("torch",)),
               "tables": ([table(rows, a)] if rows else []) + ([curve_table(curves, singles)] if curves else []),
               "workers": 2, "target_accuracy": TARGET_ACCURACY, "single_process_curves": singles,
-              "to_accuracy": curves, "examples": a.examples, "epochs": a.epochs,
+              "to_accuracy": curves, "examples": a.examples, "epochs": a.epochs, "delays": delays,
               "batch_per_worker": BATCH, "runs": a.runs, "plain_jax_examples_per_s": jax_single,
               "plain_torch_examples_per_s": torch_one, "seconds": time.time() - t_start, "rows": rows}
     if a.out:

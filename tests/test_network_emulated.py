@@ -25,7 +25,8 @@ from distributed import Client
 import dlspark
 from dlspark import DistributedTrainer, GradientSharing, ParameterAveraging
 from dlspark.errors import JobFailedError
-from dlspark.testing import emulated_cluster, leftovers, netns_unavailable, sweep_leftovers, wait_for_workers
+from dlspark.testing import (emulated_cluster, latency_unavailable, leftovers, netns_unavailable, sweep_leftovers,
+                             wait_for_workers)
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -273,6 +274,97 @@ def _fit_with_a_pair_isolated(net, trainer, urls, survivors):
     assert started.is_set()
     assert time.monotonic() - t0 < 60
     return finished
+
+
+# -- latency: a delay between hosts --------------------------------------------------------------
+_ECHO = """
+import socket, statistics, sys, time
+if sys.argv[1] == "serve":
+    s = socket.create_server((sys.argv[2], int(sys.argv[3])))
+    print("listening", flush=True)
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (b := c.recv(1)):
+        c.sendall(b)
+else:
+    c = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=10)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(15):
+        t = time.perf_counter()
+        c.sendall(b"x")
+        c.recv(1)
+        times.append(time.perf_counter() - t)
+    print(statistics.median(times))
+"""
+
+
+def _round_trip(server_ns, server_ip, client_ns, port):
+    """The median of 15 one-byte TCP round trips from ``client_ns`` to ``server_ip`` in
+    ``server_ns`` (None: the root namespace), in seconds."""
+    def cmd(ns, *args):
+        return (["ip", "netns", "exec", ns] if ns else []) + [sys.executable, "-c", _ECHO, *args]
+
+    server = subprocess.Popen(cmd(server_ns, "serve", server_ip, str(port)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        out = subprocess.run(cmd(client_ns, "ask", server_ip, str(port)), capture_output=True, text=True,
+                             timeout=60, check=True)
+        return float(out.stdout)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _require_latency():
+    reason = latency_unavailable()
+    if reason:
+        _unavailable(reason)
+
+
+def test_a_delay_lengthens_every_round_trip_between_hosts(net):
+    """One way ``delay`` between any two hosts (the client's too): each round trip takes two
+    more, and none once the delay is lifted. The harness holds packets in user space (the
+    kernel has no netem), so this is what shows it holds them, and for how long."""
+    net, _ = net
+    _require_latency()
+    a, b = net.hosts[0], net.hosts[1]
+    pairs = {"host to host": (b.namespace, b.ip, a.namespace), "client to host": (a.namespace, a.ip, None),
+             "host to client": (None, f"{net.subnet}.1", b.namespace)}
+    try:
+        net.set_delay("10ms")
+        assert all(h.delayer.pid not in pids for h, pids in zip(net.hosts, net.worker_pids().values()))
+        delayed = {k: _round_trip(*v, port=47000 + i) for i, (k, v) in enumerate(pairs.items())}
+    finally:
+        net.set_delay(None)
+    undelayed = {k: _round_trip(*v, port=47100 + i) for i, (k, v) in enumerate(pairs.items())}
+    assert all(0.020 <= t < 0.035 for t in delayed.values()), delayed
+    assert all(t < 0.005 for t in undelayed.values()), undelayed
+    assert net.delay is None and all(h.delayer is None for h in net.hosts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["averaging", "sharing"])
+def test_a_fit_across_a_delay_waits_for_it_and_trains_every_minibatch_once(net, make_net, digits, algorithm):
+    """Synchronous gradient sharing exchanges every step and averaging at 2 every other, so a
+    fit over a one-way delay ``d`` takes at least ``d`` a step: the delay is on the job's path,
+    and the fit still trains each minibatch once with the replicas equal."""
+    net, client = net
+    _require_latency()
+    data, delay = digits[0][:2 * 16 * 24], 0.04
+    trainer = DistributedTrainer(client, make_net(), _master(algorithm), progress=False)
+    trainer.fit(data)  # compiles
+    try:
+        net.set_delay(delay)
+        t0 = time.monotonic()
+        trainer.fit(data)
+        took = time.monotonic() - t0
+    finally:
+        net.set_delay(None)
+    steps = sum(r["minibatches"] for r in trainer.last_fit_stats) // 2
+    assert steps == 24 and all(r["workers"] == 2 for r in trainer.last_fit_stats)
+    assert took >= steps * delay, (took, steps)
+    assert trainer.replica_divergence <= (0.0 if algorithm == "averaging" else 1e-5)
 
 
 # Last in the module: Dask drops the worker, and a test after it would first wait for it to be

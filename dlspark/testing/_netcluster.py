@@ -6,8 +6,9 @@ bridge through a veth pair; the scheduler and the client stay in the calling
 link can be rate-limited in both directions with a token bucket (``tc qdisc ...
 tbf`` on both ends of the veth pair: the namespace's end shapes what the host
 sends, the bridge's end what it receives). The kernel's ``tbf`` adds no
-latency, so round trips stay as short as on loopback: designs bound by round
-trips look better here than on a real network.
+latency; a one-way ``delay`` between hosts is made in user space instead (each
+worker host's packets held in a netfilter queue, see ``_delay``), so that designs
+bound by round trips can be measured too.
 
 The scheduler and the workers are started as a user starts them on separate
 machines: ``dask scheduler`` and ``dask worker`` processes, each worker with
@@ -21,7 +22,8 @@ when the body raises or the process is interrupted (a context manager and a
 ``weakref.finalize``); what a killed process left behind is removed by the
 next harness that starts (:func:`sweep_leftovers`). Needs root and iproute2
 (:func:`netns_unavailable` says why not); a host's firewall
-(:meth:`EmulatedCluster.firewall`) needs nftables too.
+(:meth:`EmulatedCluster.firewall`) needs nftables too, and a delay iptables
+(:func:`latency_unavailable`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-__all__ = ["EmulatedCluster", "Host", "emulated_cluster", "netns_unavailable", "sweep_leftovers", "leftovers",
-           "parse_rate", "wait_for_workers", "RATES"]
+__all__ = ["EmulatedCluster", "Host", "emulated_cluster", "netns_unavailable", "latency_unavailable",
+           "sweep_leftovers", "leftovers", "parse_rate", "parse_delay", "wait_for_workers", "RATES"]
 
 #: The link rates the benchmarks and tests name, as ``tc`` rates (None: not shaped).
 RATES = {"unlimited": None, "10gbit": "10gbit", "1gbit": "1gbit", "100mbit": "100mbit"}
@@ -79,6 +81,42 @@ def netns_unavailable() -> str | None:
         return f"cannot create a network namespace here: {made.stderr.strip()}"
     _run("ip", "netns", "del", probe, check=False)
     return None
+
+
+def latency_unavailable() -> str | None:
+    """Why a delay between emulated hosts cannot be made here (a sentence), or None when it
+    can: it needs what :func:`netns_unavailable` asks for, and iptables with its ``NFQUEUE``
+    target (the kernel's ``nfnetlink_queue``)."""
+    reason = netns_unavailable()
+    if reason:
+        return reason
+    if shutil.which("iptables") is None:
+        return "a delay between emulated hosts needs iptables; on Debian as root: apt-get install -y iptables"
+    probe = f"{_NS_PREFIX}probe-{os.getpid()}"
+    _run("ip", "netns", "add", probe)
+    try:
+        made = _run("iptables", "-A", "OUTPUT", "-o", "lo", "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass",
+                    ns=probe, check=False)
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+    if made.returncode:
+        return f"iptables cannot queue packets to user space here (its NFQUEUE target): {made.stderr.strip()}"
+    return None
+
+
+def parse_delay(delay) -> float | None:
+    """A one-way delay in seconds: None or 0 (none), a number of seconds, or a string such
+    as ``"500us"``, ``"2ms"``, ``"0.1s"``."""
+    if delay is None:
+        return None
+    if isinstance(delay, str):
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", delay.strip())
+        if not m:
+            raise ValueError(f"delay must be seconds or a string such as '500us', '2ms', '0.1s', got {delay!r}")
+        delay = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not (0 <= delay <= 10):
+        raise ValueError(f"delay must be between 0 and 10 seconds, got {delay!r}")
+    return float(delay) or None
 
 
 def parse_rate(rate) -> str | None:
@@ -181,6 +219,7 @@ class Host:
     process: subprocess.Popen | None = None
     command: list = field(default_factory=list)  # how its dask worker is started
     address: str | None = None  # its Dask worker's address, once it registered
+    delayer: subprocess.Popen | None = None  # what holds its packets, under a delay
 
 
 @dataclass
@@ -195,6 +234,8 @@ class EmulatedCluster:
         The worker machines, in order.
     rate, client_rate : str or None
         The workers' and the client's link rate (``tc`` form; None: not shaped).
+    delay : float or None
+        The one-way delay between any two hosts, in seconds (None: none).
     """
 
     token: str
@@ -205,6 +246,7 @@ class EmulatedCluster:
     hosts: list = field(default_factory=list)
     rate: str | None = None
     client_rate: str | None = None
+    delay: float | None = None
     scheduler: subprocess.Popen | None = None
     scheduler_address: str | None = None
     workdir: str = ""
@@ -239,6 +281,44 @@ class EmulatedCluster:
             self._shape("eth0", self.rate, ns=h.namespace)  # what it sends
         self._shape(self.client_port, self.client_rate)
         self._shape(self.client_link, self.client_rate)
+
+    def set_delay(self, delay=None, timeout: float = 30):
+        """Delay every packet between two hosts by ``delay`` one way (seconds, or ``"2ms"``;
+        None: no delay), so that a round trip between any two of them, the client's host
+        among them, takes twice that more. Each worker host holds what it sends on its link,
+        and what it receives from the client's host, for ``delay`` in a netfilter queue
+        (``iptables ... NFQUEUE``) that a process in its namespace releases in order. The
+        link rates apply as before. Needs iptables (:func:`latency_unavailable`)."""
+        delay = parse_delay(delay)
+        if delay is not None and latency_unavailable():
+            raise RuntimeError(latency_unavailable())
+        rules = [("OUTPUT", "-o", "eth0"), ("INPUT", "-i", "eth0", "-s", f"{self.subnet}.1")]
+        for h in self.hosts:
+            if h.delayer is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(h.delayer.pid, signal.SIGKILL)
+                h.delayer.wait(10)
+                h.delayer = None
+                for chain, *match in rules:
+                    _run("iptables", "-D", chain, *match, "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass",
+                         ns=h.namespace, check=False)
+        self.delay = delay
+        if delay is None:
+            return
+        for h in self.hosts:
+            log = open(os.path.join(self.workdir, f"{h.name}.delay.log"), "a")
+            h.delayer = subprocess.Popen(
+                ["ip", "netns", "exec", h.namespace, sys.executable, os.path.join(os.path.dirname(__file__), "_delay.py"),
+                 "0", repr(delay)], env=self._env, stdout=subprocess.PIPE, stderr=log, text=True,
+                start_new_session=True, cwd=self.workdir)
+            self._procs.append(h.delayer)
+            ready = _readline(h.delayer, timeout)
+            if ready != "ready":
+                raise RuntimeError(f"the delay of {h.name} did not start ({ready!r}); see "
+                                   f"{os.path.join(self.workdir, h.name + '.delay.log')}")
+            for chain, *match in rules:  # after the queue is bound: the rule never meets an unbound queue
+                _run("iptables", "-A", chain, *match, "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass",
+                     ns=h.namespace)
 
     def cut(self, which):
         """Cut a worker's link (the cable pulled: its packets are dropped, its connections stay open)."""
@@ -297,8 +377,10 @@ class EmulatedCluster:
 
     # -- processes ----------------------------------------------------------------------
     def worker_pids(self) -> dict:
-        """``{host name: [pids in its namespace]}`` (the nanny and its worker process)."""
-        return {h.name: [int(p) for p in _run("ip", "netns", "pids", h.namespace, check=False).stdout.split()]
+        """``{host name: [pids in its namespace]}`` (the nanny and its worker process; not the
+        process that makes its delay)."""
+        return {h.name: [int(p) for p in _run("ip", "netns", "pids", h.namespace, check=False).stdout.split()
+                         if h.delayer is None or int(p) != h.delayer.pid]
                 for h in self.hosts}
 
     def _spawn(self, h: Host):
@@ -362,6 +444,14 @@ def _env(token, extra_env, config):
     return env
 
 
+def _readline(proc, timeout) -> str:
+    """The first line ``proc`` writes to its stdout pipe, or '' if it exits or ``timeout`` passes."""
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline().strip() if ready else ""
+
+
 def _wait_for_file(path, proc, what, timeout):
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -372,7 +462,7 @@ def _wait_for_file(path, proc, what, timeout):
         time.sleep(0.1)
 
 
-def _start(n_workers, rate, client_rate, cores, extra_env, config, memory_limit, timeout, nanny):
+def _start(n_workers, rate, client_rate, delay, cores, extra_env, config, memory_limit, timeout, nanny):
     reason = netns_unavailable()
     if reason:
         raise RuntimeError(reason)
@@ -410,8 +500,10 @@ def _start(n_workers, rate, client_rate, cores, extra_env, config, memory_limit,
             _run("ip", "link", "set", h.link, "up")
             cl.hosts.append(h)
         cl.set_rate(rate, client_rate)
-
         env = _env(token, extra_env, config)
+        cl._procs, cl._env = procs, env
+        cl.set_delay(delay)
+
         sfile = os.path.join(workdir, "scheduler.json")
         log = open(sfile + ".log", "w")
         cl.scheduler = subprocess.Popen(
@@ -429,7 +521,6 @@ def _start(n_workers, rate, client_rate, cores, extra_env, config, memory_limit,
                 break
             except (ValueError, KeyError):  # written as we read
                 time.sleep(0.1)
-        cl._procs, cl._env = procs, env
         for h in cl.hosts:
             pin = ["taskset", "-c", str(h.core)] if h.core is not None else []
             h.command = ["ip", "netns", "exec", h.namespace, *pin, sys.executable, "-m", "distributed.cli.dask_worker",
@@ -458,8 +549,8 @@ def wait_for_workers(cl: EmulatedCluster, n: int, timeout: float = 60) -> dict:
 
 
 @contextlib.contextmanager
-def emulated_cluster(n_workers: int = 2, *, rate=None, client_rate=None, cores=None, env=None, config=None,
-                     memory_limit="4GiB", timeout: float = 120, nanny: bool = True):
+def emulated_cluster(n_workers: int = 2, *, rate=None, client_rate=None, delay=None, cores=None, env=None,
+                     config=None, memory_limit="4GiB", timeout: float = 120, nanny: bool = True):
     """Start an emulated cluster: ``n_workers`` worker hosts on one bridge, a ``dask
     scheduler`` beside the caller. Everything is removed on exit.
 
@@ -473,6 +564,9 @@ def emulated_cluster(n_workers: int = 2, *, rate=None, client_rate=None, cores=N
     client_rate : str, optional
         The rate of the link between the caller's namespace (the client and the scheduler)
         and the bridge; by default not shaped.
+    delay : float or str, optional
+        A one-way delay between any two hosts (seconds, or ``"500us"``, ``"2ms"``): see
+        :meth:`EmulatedCluster.set_delay`. Default: none (round trips as on loopback).
     cores : list of int, optional
         The core each worker is pinned to; default: the cores this process may use, in turn.
         An empty list pins nothing.
@@ -503,8 +597,8 @@ def emulated_cluster(n_workers: int = 2, *, rate=None, client_rate=None, cores=N
     """
     if not isinstance(n_workers, int) or n_workers < 1:
         raise ValueError(f"n_workers must be a positive int, got {n_workers!r}")
-    parse_rate(rate), parse_rate(client_rate)
-    cl = _start(n_workers, rate, client_rate, cores, env, config, memory_limit, timeout, nanny)
+    parse_rate(rate), parse_rate(client_rate), parse_delay(delay)
+    cl = _start(n_workers, rate, client_rate, delay, cores, env, config, memory_limit, timeout, nanny)
     try:
         yield cl
     finally:

@@ -1,0 +1,130 @@
+"""Latency for an emulated host: hold each queued packet a fixed time, then let it go.
+
+This kernel's ``tc`` has no ``netem`` (nor ``fq``, whose departure times a BPF program could
+set), so the delay is made in user space: ``iptables ... -j NFQUEUE`` hands each packet of
+a host's link to a netlink queue, and this process, run in the host's namespace, gives
+each packet its verdict (accept) ``delay`` seconds after it was queued. Packets leave in
+the order they came, as on a wire. Only the packets' metadata is copied to user space, and
+the queue takes whole segmentation-offload frames (up to 64 kB), so a few thousand verdicts
+a second carry a gigabit. The queue fails open: a packet that finds it full is let through
+at once rather than dropped, and while no process listens the rule's ``--queue-bypass``
+lets every packet through.
+
+It speaks the kernel's ``nfnetlink_queue`` protocol itself (a page of ``struct``): no
+maintained Python library offers it without compiling against ``libnetfilter_queue``.
+
+Run as ``python -m dlspark.testing._delay QUEUE DELAY_SECONDS``; it writes ``ready`` to
+stdout once bound and runs until killed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import socket
+import struct
+import sys
+import time
+
+NETLINK_NETFILTER = 12
+NFNL_SUBSYS_QUEUE = 3
+NFQNL_MSG_PACKET, NFQNL_MSG_VERDICT, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 1, 2, 3
+NFQA_PACKET_HDR = 1
+NFQA_VERDICT_HDR = 2
+NFQA_CFG_CMD, NFQA_CFG_PARAMS, NFQA_CFG_QUEUE_MAXLEN, NFQA_CFG_MASK, NFQA_CFG_FLAGS = 1, 2, 3, 4, 5
+NFQNL_CFG_CMD_BIND = 1
+NFQNL_COPY_META = 1
+NFQA_CFG_F_FAIL_OPEN, NFQA_CFG_F_GSO = 1, 4
+NLM_F_REQUEST, NLM_F_ACK = 1, 4
+NLMSG_ERROR = 2
+NF_ACCEPT = 1
+QUEUE_MAXLEN = 1 << 16
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    length = 4 + len(payload)
+    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
+
+
+def _message(msg: int, queue: int, attrs: bytes, flags: int = NLM_F_REQUEST, seq: int = 0) -> bytes:
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(queue)) + attrs
+    return struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | msg, flags, seq, 0) + body
+
+
+def _attrs(data: bytes):
+    off = 0
+    while off + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, off)
+        if length < 4:
+            return
+        yield kind & 0x3FFF, data[off + 4:off + length]
+        off += (length + 3) & ~3
+
+
+def _configure(sock, queue: int):
+    """Bind ``queue``, copy metadata only, take GSO frames whole, fail open; raise on a refusal."""
+    requests = [
+        _attr(NFQA_CFG_CMD, struct.pack("=BxH", NFQNL_CFG_CMD_BIND, 0)),
+        _attr(NFQA_CFG_PARAMS, struct.pack(">IB", 0, NFQNL_COPY_META)),  # packed: 5 bytes
+        _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack(">I", QUEUE_MAXLEN)),
+        _attr(NFQA_CFG_FLAGS, struct.pack(">I", NFQA_CFG_F_FAIL_OPEN | NFQA_CFG_F_GSO))
+        + _attr(NFQA_CFG_MASK, struct.pack(">I", NFQA_CFG_F_FAIL_OPEN | NFQA_CFG_F_GSO)),
+    ]
+    for seq, attrs in enumerate(requests, 1):
+        sock.send(_message(NFQNL_MSG_CONFIG, queue, attrs, NLM_F_REQUEST | NLM_F_ACK, seq))
+        reply = sock.recv(65536)
+        length, kind = struct.unpack_from("=IH", reply, 0)
+        if kind == NLMSG_ERROR:
+            (err,) = struct.unpack_from("=i", reply, 16)
+            if err:
+                raise OSError(-err, f"nfnetlink_queue refused configuration step {seq} of queue {queue}: "
+                                    f"{os.strerror(-err)}")
+
+
+def run(queue: int, delay: float):
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)  # SO_RCVBUFFORCE (root): room for bursts
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+    sock.bind((0, 0))
+    _configure(sock, queue)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    held = collections.deque()  # (due, packet id), in arrival order
+    packet_type = (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET
+    while True:
+        timeout = max(0.0, held[0][0] - time.monotonic()) if held else None
+        readable, _, _ = select.select([sock], [], [], timeout)
+        if readable:
+            while True:
+                try:
+                    data = sock.recv(1 << 20, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError:  # ENOBUFS: the kernel dropped messages; those packets fail open
+                    continue
+                now = time.monotonic()
+                off = 0
+                while off + 16 <= len(data):
+                    length, kind = struct.unpack_from("=IH", data, off)
+                    if length < 16:
+                        break
+                    if kind == packet_type:
+                        for akind, payload in _attrs(data[off + 20:off + length]):
+                            if akind == NFQA_PACKET_HDR:
+                                held.append((now + delay, struct.unpack_from(">I", payload)[0]))
+                                break
+                    off += (length + 3) & ~3
+        now = time.monotonic()
+        last = None
+        while held and held[0][0] <= now:
+            last = held.popleft()[1]
+        if last is not None:  # every packet up to ``last`` is due: one verdict lets them all go
+            sock.send(_message(NFQNL_MSG_VERDICT_BATCH, queue,
+                               _attr(NFQA_VERDICT_HDR, struct.pack(">II", NF_ACCEPT, last))))
+
+
+if __name__ == "__main__":
+    run(int(sys.argv[1]), float(sys.argv[2]))
