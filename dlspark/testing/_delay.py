@@ -74,7 +74,7 @@ def _configure(sock, queue: int):
     for seq, attrs in enumerate(requests, 1):
         sock.send(_message(NFQNL_MSG_CONFIG, queue, attrs, NLM_F_REQUEST | NLM_F_ACK, seq))
         reply = sock.recv(65536)
-        length, kind = struct.unpack_from("=IH", reply, 0)
+        _, kind = struct.unpack_from("=IH", reply, 0)
         if kind == NLMSG_ERROR:
             (err,) = struct.unpack_from("=i", reply, 16)
             if err:
