@@ -125,12 +125,16 @@ def _master(algorithm):
                            own_update="encoded")
 
 
+NOTHING = {"namespaces": [], "links": [], "processes": [], "rules": []}
+
+
 def test_teardown_leaves_nothing_also_when_the_body_raises():
     reason = netns_unavailable()
     if reason:
         _unavailable(reason)
+    _require_latency()
     with pytest.raises(RuntimeError, match="in the body"):
-        with emulated_cluster(1, rate="100mbit", client_rate="1gbit") as net:
+        with emulated_cluster(1, rate="100mbit", client_rate="1gbit", delay="1ms") as net:
             token = net.token
             assert net.worker_pids()["w0"], "no worker process in the namespace"
             # every link shaped both ways: the worker's at its rate, the client's at its own
@@ -140,15 +144,17 @@ def test_teardown_leaves_nothing_also_when_the_body_raises():
                                      "eth0"], capture_output=True, text=True).stdout
             assert "tbf" in inside and "100Mbit" in inside and "100Mbit" in shaped[net.hosts[0].link], shaped
             assert all("1Gbit" in shaped[d] for d in (net.client_link, net.client_port)), shaped
-            assert leftovers(token)["links"] and leftovers(token)["namespaces"]
+            left = leftovers(token)
+            assert left["links"] and left["namespaces"] and len(left["rules"]) == 1, left  # the caller's queue
+            assert all(p.poll() is None for p in net._delayers.values()) and len(net._delayers) == 2
             raise RuntimeError("in the body")
-    assert leftovers(token) == {"namespaces": [], "links": [], "processes": []}
+    assert leftovers(token) == NOTHING
 
 
 _KILLED_HARNESS = """
 import os, signal
 from dlspark.testing import emulated_cluster
-with emulated_cluster(1) as net:
+with emulated_cluster(1, delay="1ms") as net:
     print(net.token, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no teardown: what it made stays behind
 """
@@ -158,14 +164,16 @@ def test_what_a_killed_harness_left_behind_is_swept_by_the_next():
     reason = netns_unavailable()
     if reason:
         _unavailable(reason)
+    _require_latency()
     r = subprocess.run([sys.executable, "-c", _KILLED_HARNESS], capture_output=True, text=True, timeout=180)
     assert r.returncode == -signal.SIGKILL, r.stderr
     token = r.stdout.split()[0]
     left = leftovers(token)
     try:
-        assert left["namespaces"] and left["links"] and left["processes"], left  # its scheduler and worker live on
+        # its scheduler, worker and delays live on, and the caller's namespace's rule
+        assert left["namespaces"] and left["links"] and left["processes"] and left["rules"], left
         assert token in sweep_leftovers()  # what the next harness does first, as it starts
-        assert leftovers(token) == {"namespaces": [], "links": [], "processes": []}
+        assert leftovers(token) == NOTHING
     finally:
         dlspark.testing._netcluster._remove(token)  # even where the sweep failed: nothing outlives the test
 
@@ -314,6 +322,64 @@ def _round_trip(server_ns, server_ip, client_ns, port):
     finally:
         server.kill()
         server.wait()
+
+
+_SINK = """
+import socket, sys, time
+if sys.argv[1] == "serve":
+    s = socket.create_server((sys.argv[2], int(sys.argv[3])))
+    print("listening", flush=True)
+    c, _ = s.accept()
+    n = 0
+    while n < int(sys.argv[4]):
+        n += len(c.recv(1 << 20))
+    c.sendall(b"k")
+else:
+    c = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=30)
+    t = time.perf_counter()
+    c.sendall(b"x" * int(sys.argv[4]))
+    c.recv(1)
+    print(time.perf_counter() - t)
+"""
+
+
+def _send_seconds(server_ns, server_ip, client_ns, port, nbytes):
+    """Seconds to send ``nbytes`` from ``client_ns`` to ``server_ip`` in ``server_ns`` (None:
+    the caller's namespace) until the receiver has them all."""
+    def cmd(ns, *args):
+        return (["ip", "netns", "exec", ns] if ns else []) + [sys.executable, "-c", _SINK, *args, str(nbytes)]
+
+    server = subprocess.Popen(cmd(server_ns, "serve", server_ip, str(port)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        out = subprocess.run(cmd(client_ns, "send", server_ip, str(port)), capture_output=True, text=True,
+                             timeout=60, check=True)
+        return float(out.stdout)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_the_clients_link_is_shaped_both_ways(net):
+    """``client_rate`` holds for what the client's host sends and for what it receives (a worker
+    once reached the scheduler's address through the bridge's own MAC, past the client's link),
+    and the client's counters see it."""
+    net, _ = net
+    a = net.hosts[0]
+    mb = 4_000_000
+    try:
+        net.set_rate(None, client_rate="100mbit")
+        before = net.wire_bytes()["client"]
+        to_client = _send_seconds(None, f"{net.subnet}.1", a.namespace, 47400, mb)
+        received = net.wire_bytes()["client"]["rx"] - before["rx"]
+        from_client = _send_seconds(a.namespace, a.ip, None, 47401, mb)
+    finally:
+        net.set_rate("1gbit")
+    unshaped = _send_seconds(None, f"{net.subnet}.1", a.namespace, 47402, mb)
+    bound = (mb - 512 * 1024) * 8 / 100e6  # 100 Mbit/s past the token bucket's burst
+    assert to_client >= bound and from_client >= bound, (to_client, from_client, bound)
+    assert unshaped < bound / 2, unshaped  # at 1 Gbit/s (the workers' links), not the client's 100
+    assert mb <= received <= 1.1 * mb, received
 
 
 def _require_latency():

@@ -13,8 +13,13 @@ lets every packet through.
 It speaks the kernel's ``nfnetlink_queue`` protocol itself (a page of ``struct``): no
 maintained Python library offers it without compiling against ``libnetfilter_queue``.
 
-Run as ``python -m dlspark.testing._delay QUEUE DELAY_SECONDS``; it writes ``ready`` to
-stdout once bound and runs until killed.
+The process keeps to one CPU: a verdict re-injects the packets it lets go on the CPU it runs
+on, and the veth pair queues them on that CPU's backlog, so a process that moved between
+CPUs would let a later batch overtake an earlier one (reordered segments, which TCP reads as
+loss and slows for).
+
+Run as ``python _delay.py QUEUE DELAY_SECONDS [CPU]`` (by path: it imports nothing of
+dlspark); it writes ``ready`` to stdout once bound and runs until killed.
 """
 
 from __future__ import annotations
@@ -82,7 +87,8 @@ def _configure(sock, queue: int):
                                     f"{os.strerror(-err)}")
 
 
-def run(queue: int, delay: float):
+def run(queue: int, delay: float, cpu: int | None = None):
+    os.sched_setaffinity(0, {cpu if cpu is not None else min(os.sched_getaffinity(0))})
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
     try:
         sock.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)  # SO_RCVBUFFORCE (root): room for bursts
@@ -127,4 +133,4 @@ def run(queue: int, delay: float):
 
 
 if __name__ == "__main__":
-    run(int(sys.argv[1]), float(sys.argv[2]))
+    run(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -131,6 +131,26 @@ def parse_rate(rate) -> str | None:
     return rate
 
 
+def _root_queue(token: str) -> int:
+    """The netfilter queue a harness's caller's namespace holds its packets in (one per
+    harness: the namespace is shared)."""
+    return 1 + int(token, 16) % 65000
+
+
+def _queue_rule(iface: str, queue: int) -> list:
+    """iptables' match and target that hand what ``iface`` receives to ``queue`` (let through
+    at once while no process listens on it)."""
+    return ["-i", iface, "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass"]
+
+
+def _root_rules(tok: str) -> list:
+    """The caller's namespace's INPUT rules of the harnesses ``tok`` matches (a regex of tokens)."""
+    if shutil.which("iptables") is None:
+        return []
+    rules = _run("iptables", "-S", "INPUT", check=False).stdout.splitlines()
+    return [r for r in rules if re.search(rf"-i {_PREFIX}{tok}c ", r + " ")]
+
+
 def _own_links() -> dict:
     """``{token: owner pid}`` of the bridges this module made (their alias names the owner)."""
     out = _run("ip", "-o", "link", "show", "type", "bridge", check=False).stdout
@@ -145,7 +165,8 @@ def _own_links() -> dict:
 
 def leftovers(token: str | None = None) -> dict:
     """What this module made and is still there: ``{"namespaces": [...], "links": [...],
-    "processes": [pids]}`` (only ``token``'s with a token)."""
+    "processes": [pids], "rules": [the caller's namespace's iptables rules]}`` (only
+    ``token``'s with a token)."""
     tok = token or r"[0-9a-f]{6}"
     nss = [ln.split()[0] for ln in _run("ip", "netns", "list", check=False).stdout.splitlines() if ln.strip()]
     nss = [n for n in nss if re.fullmatch(rf"{_NS_PREFIX}{tok}-.*", n)]
@@ -163,16 +184,20 @@ def leftovers(token: str | None = None) -> dict:
                         pids.append(int(proc))
             except OSError:
                 pass
-    return {"namespaces": nss, "links": links, "processes": sorted(set(pids))}
+    return {"namespaces": nss, "links": links, "processes": sorted(set(pids)), "rules": _root_rules(tok)}
 
 
 def _remove(token: str) -> list:
-    """Remove everything of ``token``: its processes, namespaces and links. Returns the errors."""
+    """Remove everything of ``token``: its processes, rules, namespaces and links. Returns the errors."""
     errors = []
     left = leftovers(token)
     for pid in left["processes"]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    for rule in left["rules"]:  # "-A INPUT ...": deleted by the same words after -D
+        out = _run("iptables", "-D", *rule.split()[1:], check=False)
+        if out.returncode:
+            errors.append(out.stderr.strip())
     for ns in left["namespaces"]:
         out = _run("ip", "netns", "del", ns, check=False)
         if out.returncode:
@@ -253,6 +278,7 @@ class EmulatedCluster:
     _finalizer: object = None
     _procs: list = field(default_factory=list)
     _env: dict = field(default_factory=dict)
+    _delayers: dict = field(default_factory=dict)  # {host name or "client": what holds its packets}
 
     # -- links ------------------------------------------------------------------------
     def _host(self, which) -> Host:
@@ -282,43 +308,56 @@ class EmulatedCluster:
         self._shape(self.client_port, self.client_rate)
         self._shape(self.client_link, self.client_rate)
 
+    def _delay_sites(self):
+        """Where packets are held under a delay: ``(name, namespace, interface, queue, cpu,
+        host)`` for every worker host (what it receives on its link) and for the caller's
+        namespace (what it receives from the bridge: the scheduler's and the client's)."""
+        root_cpu = min(os.sched_getaffinity(0))
+        return [(h.name, h.namespace, "eth0", 0, h.core, h) for h in self.hosts] + \
+            [("client", None, self.client_link, _root_queue(self.token), root_cpu, None)]
+
     def set_delay(self, delay=None, timeout: float = 30):
         """Delay every packet between two hosts by ``delay`` one way (seconds, or ``"2ms"``;
         None: no delay), so that a round trip between any two of them, the client's host
-        among them, takes twice that more. Each worker host holds what it sends on its link,
-        and what it receives from the client's host, for ``delay`` in a netfilter queue
-        (``iptables ... NFQUEUE``) that a process in its namespace releases in order. The
-        link rates apply as before. Needs iptables (:func:`latency_unavailable`)."""
+        among them, takes twice that more. Each host (each worker's, and the caller's, where
+        the scheduler and the client are) holds what it receives on its link for ``delay`` in
+        a netfilter queue (``iptables ... NFQUEUE``) that a process of its own, on its
+        worker's core, releases in order. Held on receipt, not on sending: a packet a
+        sender's queue holds counts against its socket (TCP's small queues), which would
+        throttle a flow as no wire does. The link rates apply as before. Needs iptables
+        (:func:`latency_unavailable`)."""
         delay = parse_delay(delay)
         if delay is not None and latency_unavailable():
             raise RuntimeError(latency_unavailable())
-        rules = [("OUTPUT", "-o", "eth0"), ("INPUT", "-i", "eth0", "-s", f"{self.subnet}.1")]
-        for h in self.hosts:
-            if h.delayer is not None:
+        for name, ns, iface, q, _, host in self._delay_sites():
+            proc = self._delayers.pop(name, None)
+            if proc is not None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(h.delayer.pid, signal.SIGKILL)
-                h.delayer.wait(10)
-                h.delayer = None
-                for chain, *match in rules:
-                    _run("iptables", "-D", chain, *match, "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass",
-                         ns=h.namespace, check=False)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+                _run("iptables", "-D", "INPUT", *_queue_rule(iface, q), ns=ns, check=False)
+            if host is not None:
+                host.delayer = None
         self.delay = delay
         if delay is None:
             return
-        for h in self.hosts:
-            log = open(os.path.join(self.workdir, f"{h.name}.delay.log"), "a")
-            h.delayer = subprocess.Popen(
-                ["ip", "netns", "exec", h.namespace, sys.executable, os.path.join(os.path.dirname(__file__), "_delay.py"),
-                 "0", repr(delay)], env=self._env, stdout=subprocess.PIPE, stderr=log, text=True,
-                start_new_session=True, cwd=self.workdir)
-            self._procs.append(h.delayer)
-            ready = _readline(h.delayer, timeout)
+        script = os.path.join(os.path.dirname(__file__), "_delay.py")
+        for name, ns, iface, q, cpu, host in self._delay_sites():
+            log = open(os.path.join(self.workdir, f"{name}.delay.log"), "a")
+            proc = subprocess.Popen(
+                (["ip", "netns", "exec", ns] if ns else []) + [sys.executable, script, str(q), repr(delay)]
+                + ([str(cpu)] if cpu is not None else []),
+                env=self._env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True, cwd=self.workdir)
+            self._procs.append(proc)
+            self._delayers[name] = proc
+            if host is not None:
+                host.delayer = proc
+            ready = _readline(proc, timeout)
             if ready != "ready":
-                raise RuntimeError(f"the delay of {h.name} did not start ({ready!r}); see "
-                                   f"{os.path.join(self.workdir, h.name + '.delay.log')}")
-            for chain, *match in rules:  # after the queue is bound: the rule never meets an unbound queue
-                _run("iptables", "-A", chain, *match, "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass",
-                     ns=h.namespace)
+                raise RuntimeError(f"the delay of {name} did not start ({ready!r}); see "
+                                   f"{os.path.join(self.workdir, name + '.delay.log')}")
+            # after the queue is bound, so that the rule never meets an unbound queue
+            _run("iptables", "-A", "INPUT", *_queue_rule(iface, q), ns=ns)
 
     def cut(self, which):
         """Cut a worker's link (the cable pulled: its packets are dropped, its connections stay open)."""
@@ -480,6 +519,12 @@ def _start(n_workers, rate, client_rate, delay, cores, extra_env, config, memory
     try:
         _run("ip", "link", "add", cl.bridge, "type", "bridge")
         _run("ip", "link", "set", "dev", cl.bridge, "alias", f"{_ALIAS}{os.getpid()}")
+        # The bridge must not answer for the caller's address: Linux replies to ARP for any of
+        # its addresses on any interface, and a worker that learnt the bridge's own MAC for the
+        # scheduler would send to it through the bridge device, past the client's link (its
+        # rate, its counters, its delay). Only the interface that holds an address answers.
+        with open(f"/proc/sys/net/ipv4/conf/{cl.bridge}/arp_ignore", "w") as f:
+            f.write("1")
         _run("ip", "link", "set", cl.bridge, "up")
         _run("ip", "link", "add", cl.client_link, "type", "veth", "peer", "name", cl.client_port)
         _run("ip", "link", "set", cl.client_port, "master", cl.bridge)
