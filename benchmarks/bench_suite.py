@@ -250,6 +250,9 @@ OPTIONS = {
     # docs/_data/bench_suite_bf16_shares.json's 4-worker results came from commit 336a215,
     # where the option also sent the shares' means in bfloat16 (a prototype, not kept)
     "averaging-bf16": ("averaging", {"exchange_precision": "bfloat16"}),
+    # gradient sharing with rounds of 64 steps, not 16: a round's end waits on the coordinator,
+    # which a delay between hosts makes dear (docs/benchmarks/network.md, "Latency between hosts")
+    "sharing-rounds64": ("sharing", {"steps_per_round": 64}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}

@@ -285,74 +285,46 @@ def _fit_with_a_pair_isolated(net, trainer, urls, survivors):
 
 
 # -- latency: a delay between hosts --------------------------------------------------------------
-_ECHO = """
+_PEER = """
 import socket, statistics, sys, time
-if sys.argv[1] == "serve":
-    s = socket.create_server((sys.argv[2], int(sys.argv[3])))
-    print("listening", flush=True)
+role, kind, host, port, nbytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+if role == "serve":
+    s = socket.create_server((host, port))
+    print(s.getsockname()[1], flush=True)
     c, _ = s.accept()
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    while (b := c.recv(1)):
-        c.sendall(b)
+    if kind == "echo":
+        while (b := c.recv(1)):
+            c.sendall(b)
+    else:
+        n = 0
+        while n < nbytes:
+            n += len(c.recv(1 << 20))
+        c.sendall(b"k")
 else:
-    c = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=10)
+    c = socket.create_connection((host, port), timeout=30)
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     times = []
-    for _ in range(15):
+    for _ in range(15 if kind == "echo" else 1):
         t = time.perf_counter()
-        c.sendall(b"x")
+        c.sendall(b"x" * (1 if kind == "echo" else nbytes))
         c.recv(1)
         times.append(time.perf_counter() - t)
     print(statistics.median(times))
 """
 
 
-def _round_trip(server_ns, server_ip, client_ns, port):
-    """The median of 15 one-byte TCP round trips from ``client_ns`` to ``server_ip`` in
-    ``server_ns`` (None: the root namespace), in seconds."""
+def _between(kind, server_ns, server_ip, client_ns, nbytes=0):
+    """Seconds between two hosts' namespaces (None: the caller's): with ``kind="echo"`` the
+    median of 15 one-byte TCP round trips from ``client_ns`` to ``server_ip``, with
+    ``"sink"`` the time to send it ``nbytes`` until it has them all."""
     def cmd(ns, *args):
-        return (["ip", "netns", "exec", ns] if ns else []) + [sys.executable, "-c", _ECHO, *args]
+        return (["ip", "netns", "exec", ns] if ns else []) + [sys.executable, "-c", _PEER, *map(str, args)]
 
-    server = subprocess.Popen(cmd(server_ns, "serve", server_ip, str(port)), stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(cmd(server_ns, "serve", kind, server_ip, 0, nbytes), stdout=subprocess.PIPE, text=True)
     try:
-        assert server.stdout.readline().strip() == "listening"
-        out = subprocess.run(cmd(client_ns, "ask", server_ip, str(port)), capture_output=True, text=True,
-                             timeout=60, check=True)
-        return float(out.stdout)
-    finally:
-        server.kill()
-        server.wait()
-
-
-_SINK = """
-import socket, sys, time
-if sys.argv[1] == "serve":
-    s = socket.create_server((sys.argv[2], int(sys.argv[3])))
-    print("listening", flush=True)
-    c, _ = s.accept()
-    n = 0
-    while n < int(sys.argv[4]):
-        n += len(c.recv(1 << 20))
-    c.sendall(b"k")
-else:
-    c = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=30)
-    t = time.perf_counter()
-    c.sendall(b"x" * int(sys.argv[4]))
-    c.recv(1)
-    print(time.perf_counter() - t)
-"""
-
-
-def _send_seconds(server_ns, server_ip, client_ns, port, nbytes):
-    """Seconds to send ``nbytes`` from ``client_ns`` to ``server_ip`` in ``server_ns`` (None:
-    the caller's namespace) until the receiver has them all."""
-    def cmd(ns, *args):
-        return (["ip", "netns", "exec", ns] if ns else []) + [sys.executable, "-c", _SINK, *args, str(nbytes)]
-
-    server = subprocess.Popen(cmd(server_ns, "serve", server_ip, str(port)), stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout.readline().strip() == "listening"
-        out = subprocess.run(cmd(client_ns, "send", server_ip, str(port)), capture_output=True, text=True,
+        port = int(server.stdout.readline())
+        out = subprocess.run(cmd(client_ns, "ask", kind, server_ip, port, nbytes), capture_output=True, text=True,
                              timeout=60, check=True)
         return float(out.stdout)
     finally:
@@ -370,12 +342,12 @@ def test_the_clients_link_is_shaped_both_ways(net):
     try:
         net.set_rate(None, client_rate="100mbit")
         before = net.wire_bytes()["client"]
-        to_client = _send_seconds(None, f"{net.subnet}.1", a.namespace, 47400, mb)
+        to_client = _between("sink", None, f"{net.subnet}.1", a.namespace, mb)
         received = net.wire_bytes()["client"]["rx"] - before["rx"]
-        from_client = _send_seconds(a.namespace, a.ip, None, 47401, mb)
+        from_client = _between("sink", a.namespace, a.ip, None, mb)
     finally:
         net.set_rate("1gbit")
-    unshaped = _send_seconds(None, f"{net.subnet}.1", a.namespace, 47402, mb)
+    unshaped = _between("sink", None, f"{net.subnet}.1", a.namespace, mb)
     bound = (mb - 512 * 1024) * 8 / 100e6  # 100 Mbit/s past the token bucket's burst
     assert to_client >= bound and from_client >= bound, (to_client, from_client, bound)
     assert unshaped < bound / 2, unshaped  # at 1 Gbit/s (the workers' links), not the client's 100
@@ -400,10 +372,10 @@ def test_a_delay_lengthens_every_round_trip_between_hosts(net):
     try:
         net.set_delay("10ms")
         assert all(h.delayer.pid not in pids for h, pids in zip(net.hosts, net.worker_pids().values()))
-        delayed = {k: _round_trip(*v, port=47000 + i) for i, (k, v) in enumerate(pairs.items())}
+        delayed = {k: _between("echo", *v) for k, v in pairs.items()}
     finally:
         net.set_delay(None)
-    undelayed = {k: _round_trip(*v, port=47100 + i) for i, (k, v) in enumerate(pairs.items())}
+    undelayed = {k: _between("echo", *v) for k, v in pairs.items()}
     assert all(0.020 <= t < 0.035 for t in delayed.values()), delayed
     assert all(t < 0.005 for t in undelayed.values()), undelayed
     assert net.delay is None and all(h.delayer is None for h in net.hosts)

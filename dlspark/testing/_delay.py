@@ -1,14 +1,14 @@
 """Latency for an emulated host: hold each queued packet a fixed time, then let it go.
 
 This kernel's ``tc`` has no ``netem`` (nor ``fq``, whose departure times a BPF program could
-set), so the delay is made in user space: ``iptables ... -j NFQUEUE`` hands each packet of
-a host's link to a netlink queue, and this process, run in the host's namespace, gives
-each packet its verdict (accept) ``delay`` seconds after it was queued. Packets leave in
+set), so the delay is made in user space: ``iptables -A INPUT ... -j NFQUEUE`` hands each
+packet a host receives on its link to a netlink queue, and this process, run in the host's
+namespace, gives each packet its verdict (accept) ``delay`` seconds after it was queued. Packets leave in
 the order they came, as on a wire. Only the packets' metadata is copied to user space, and
 the queue takes whole segmentation-offload frames (up to 64 kB), so a few thousand verdicts
-a second carry a gigabit. The queue fails open: a packet that finds it full is let through
-at once rather than dropped, and while no process listens the rule's ``--queue-bypass``
-lets every packet through.
+a second carry a gigabit. The queue fails open: a packet that finds it (or this process's
+socket) full is let through at once rather than dropped, overtaking the held ones, and
+while no process listens the rule's ``--queue-bypass`` lets every packet through.
 
 It speaks the kernel's ``nfnetlink_queue`` protocol itself (a page of ``struct``): no
 maintained Python library offers it without compiling against ``libnetfilter_queue``.

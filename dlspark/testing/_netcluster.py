@@ -7,7 +7,7 @@ link can be rate-limited in both directions with a token bucket (``tc qdisc ...
 tbf`` on both ends of the veth pair: the namespace's end shapes what the host
 sends, the bridge's end what it receives). The kernel's ``tbf`` adds no
 latency; a one-way ``delay`` between hosts is made in user space instead (each
-worker host's packets held in a netfilter queue, see ``_delay``), so that designs
+host holds what it receives in a netfilter queue, see ``_delay``), so that designs
 bound by round trips can be measured too.
 
 The scheduler and the workers are started as a user starts them on separate
