@@ -19,16 +19,20 @@ CPUs would let a later batch overtake an earlier one (reordered segments, which 
 loss and slows for).
 
 Run as ``python _delay.py QUEUE DELAY_SECONDS [CPU]`` (by path: it imports nothing of
-dlspark); it writes ``ready`` to stdout once bound and runs until killed.
+dlspark); it writes ``ready`` to stdout once bound and runs until killed. :func:`start` and
+:func:`stop` do that, and add and remove the rule, for the harness (``_netcluster``).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import re
 import select
+import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
 
@@ -45,6 +49,65 @@ NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG_ERROR = 2
 NF_ACCEPT = 1
 QUEUE_MAXLEN = 1 << 16
+
+
+def parse_delay(delay) -> float | None:
+    """A one-way delay in seconds: None or 0 (none), a number of seconds, or a string such
+    as ``"500us"``, ``"2ms"``, ``"0.1s"``."""
+    if delay is None:
+        return None
+    if isinstance(delay, str):
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", delay.strip())
+        if not m:
+            raise ValueError(f"delay must be seconds or a string such as '500us', '2ms', '0.1s', got {delay!r}")
+        delay = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not (0 <= delay <= 10):
+        raise ValueError(f"delay must be between 0 and 10 seconds, got {delay!r}")
+    return float(delay) or None
+
+
+def root_queue(token: str) -> int:
+    """The queue a harness's caller's namespace holds its packets in (one per harness: the
+    namespace is shared)."""
+    return 1 + int(token, 16) % 65000
+
+
+def _rule(ns, action: str, iface: str, queue: int, check: bool):
+    """Add (``-A``) or delete (``-D``) the INPUT rule that hands what ``iface`` receives to
+    ``queue`` (let through at once while no process listens on it)."""
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + [
+        "iptables", action, "INPUT", "-i", iface, "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    if check and out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
+
+
+def start(ns, iface: str, queue: int, delay: float, cpu, *, env, log: str, cwd: str, timeout: float,
+          procs: list) -> subprocess.Popen:
+    """Hold what ``iface`` receives in namespace ``ns`` (None: the caller's) for ``delay``
+    seconds: this module's process on ``cpu``, bound to ``queue``, then the rule. The process
+    is appended to ``procs`` as soon as it runs (the harness's teardown kills them)."""
+    with open(log, "a") as err:
+        proc = subprocess.Popen((["ip", "netns", "exec", ns] if ns else []) + [
+            sys.executable, os.path.abspath(__file__), str(queue), repr(delay), *([str(cpu)] if cpu is not None else [])],
+            env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True, cwd=cwd)
+    procs.append(proc)
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline().strip() if ready else ""
+    if line != "ready":
+        raise RuntimeError(f"the delay on {iface} did not start ({line!r}); see {log}")
+    _rule(ns, "-A", iface, queue, check=True)  # after the queue is bound: the rule never meets an unbound one
+    return proc
+
+
+def stop(proc: subprocess.Popen, ns, iface: str, queue: int):
+    """Undo :func:`start`: kill the process and remove the rule."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+    _rule(ns, "-D", iface, queue, check=False)
 
 
 def _attr(kind: int, payload: bytes) -> bytes:

@@ -44,6 +44,9 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from . import _delay
+from ._delay import parse_delay
+
 __all__ = ["EmulatedCluster", "Host", "emulated_cluster", "netns_unavailable", "latency_unavailable",
            "sweep_leftovers", "leftovers", "parse_rate", "parse_delay", "wait_for_workers", "RATES"]
 
@@ -104,21 +107,6 @@ def latency_unavailable() -> str | None:
     return None
 
 
-def parse_delay(delay) -> float | None:
-    """A one-way delay in seconds: None or 0 (none), a number of seconds, or a string such
-    as ``"500us"``, ``"2ms"``, ``"0.1s"``."""
-    if delay is None:
-        return None
-    if isinstance(delay, str):
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", delay.strip())
-        if not m:
-            raise ValueError(f"delay must be seconds or a string such as '500us', '2ms', '0.1s', got {delay!r}")
-        delay = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
-    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not (0 <= delay <= 10):
-        raise ValueError(f"delay must be between 0 and 10 seconds, got {delay!r}")
-    return float(delay) or None
-
-
 def parse_rate(rate) -> str | None:
     """A link rate as ``tc`` takes it: None or ``"unlimited"`` (not shaped), a name of
     :data:`RATES`, or ``tc``'s own form (``"250mbit"``, ``"2gbit"``)."""
@@ -129,18 +117,6 @@ def parse_rate(rate) -> str | None:
     if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit)", rate):
         raise ValueError(f"rate must be 'unlimited' or a tc rate such as '100mbit', '1gbit', '10gbit', got {rate!r}")
     return rate
-
-
-def _root_queue(token: str) -> int:
-    """The netfilter queue a harness's caller's namespace holds its packets in (one per
-    harness: the namespace is shared)."""
-    return 1 + int(token, 16) % 65000
-
-
-def _queue_rule(iface: str, queue: int) -> list:
-    """iptables' match and target that hand what ``iface`` receives to ``queue`` (let through
-    at once while no process listens on it)."""
-    return ["-i", iface, "-j", "NFQUEUE", "--queue-num", str(queue), "--queue-bypass"]
 
 
 def _root_rules(tok: str) -> list:
@@ -309,55 +285,35 @@ class EmulatedCluster:
         self._shape(self.client_link, self.client_rate)
 
     def _delay_sites(self):
-        """Where packets are held under a delay: ``(name, namespace, interface, queue, cpu,
-        host)`` for every worker host (what it receives on its link) and for the caller's
-        namespace (what it receives from the bridge: the scheduler's and the client's)."""
+        """``(name, namespace, interface, queue, cpu, host)`` of each host that holds what it receives."""
         root_cpu = min(os.sched_getaffinity(0))
         return [(h.name, h.namespace, "eth0", 0, h.core, h) for h in self.hosts] + \
-            [("client", None, self.client_link, _root_queue(self.token), root_cpu, None)]
+            [("client", None, self.client_link, _delay.root_queue(self.token), root_cpu, None)]
 
     def set_delay(self, delay=None, timeout: float = 30):
         """Delay every packet between two hosts by ``delay`` one way (seconds, or ``"2ms"``;
         None: no delay), so that a round trip between any two of them, the client's host
         among them, takes twice that more. Each host (each worker's, and the caller's, where
         the scheduler and the client are) holds what it receives on its link for ``delay`` in
-        a netfilter queue (``iptables ... NFQUEUE``) that a process of its own, on its
-        worker's core, releases in order. Held on receipt, not on sending: a packet a
-        sender's queue holds counts against its socket (TCP's small queues), which would
-        throttle a flow as no wire does. The link rates apply as before. Needs iptables
-        (:func:`latency_unavailable`)."""
+        a netfilter queue that a process of its own, on its worker's core, releases in order
+        (``_delay``). The link rates apply as before. Needs iptables (:func:`latency_unavailable`)."""
         delay = parse_delay(delay)
         if delay is not None and latency_unavailable():
             raise RuntimeError(latency_unavailable())
         for name, ns, iface, q, _, host in self._delay_sites():
             proc = self._delayers.pop(name, None)
             if proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-                _run("iptables", "-D", "INPUT", *_queue_rule(iface, q), ns=ns, check=False)
+                _delay.stop(proc, ns, iface, q)
             if host is not None:
                 host.delayer = None
         self.delay = delay
-        if delay is None:
-            return
-        script = os.path.join(os.path.dirname(__file__), "_delay.py")
-        for name, ns, iface, q, cpu, host in self._delay_sites():
-            log = open(os.path.join(self.workdir, f"{name}.delay.log"), "a")
-            proc = subprocess.Popen(
-                (["ip", "netns", "exec", ns] if ns else []) + [sys.executable, script, str(q), repr(delay)]
-                + ([str(cpu)] if cpu is not None else []),
-                env=self._env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True, cwd=self.workdir)
-            self._procs.append(proc)
+        for name, ns, iface, q, cpu, host in self._delay_sites() if delay is not None else ():
+            log = os.path.join(self.workdir, f"{name}.delay.log")
+            proc = _delay.start(ns, iface, q, delay, cpu, env=self._env, log=log, cwd=self.workdir, timeout=timeout,
+                                procs=self._procs)
             self._delayers[name] = proc
             if host is not None:
                 host.delayer = proc
-            ready = _readline(proc, timeout)
-            if ready != "ready":
-                raise RuntimeError(f"the delay of {name} did not start ({ready!r}); see "
-                                   f"{os.path.join(self.workdir, name + '.delay.log')}")
-            # after the queue is bound, so that the rule never meets an unbound queue
-            _run("iptables", "-A", "INPUT", *_queue_rule(iface, q), ns=ns)
 
     def cut(self, which):
         """Cut a worker's link (the cable pulled: its packets are dropped, its connections stay open)."""
@@ -481,14 +437,6 @@ def _env(token, extra_env, config):
     env.update(extra_env or {})
     env["DLSPARK_NETCLUSTER"] = token  # marks every process of this harness (see leftovers)
     return env
-
-
-def _readline(proc, timeout) -> str:
-    """The first line ``proc`` writes to its stdout pipe, or '' if it exits or ``timeout`` passes."""
-    import select
-
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    return proc.stdout.readline().strip() if ready else ""
 
 
 def _wait_for_file(path, proc, what, timeout):
