@@ -376,8 +376,9 @@ def test_a_delay_lengthens_every_round_trip_between_hosts(net):
     finally:
         net.set_delay(None)
     undelayed = {k: _between("echo", *v) for k, v in pairs.items()}
-    assert all(0.020 <= t < 0.035 for t in delayed.values()), delayed
-    assert all(t < 0.005 for t in undelayed.values()), undelayed
+    # medians of 15: a busy machine's scheduling adds milliseconds, not the delay's tens
+    assert all(0.020 <= t < 0.045 for t in delayed.values()), delayed
+    assert all(t < 0.010 for t in undelayed.values()), undelayed
     assert net.delay is None and all(h.delayer is None for h in net.hosts)
 
 
