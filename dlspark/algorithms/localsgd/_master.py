@@ -69,15 +69,18 @@ class LocalSGD(ReplicaAlgorithm):
         return sent, (error, outer)
 
     def finish(self, start, mean, carry):
+        if self.outer_updater is None:  # every round steps by the mean, as a short one does
+            return self.finish_short(start, mean, carry)
         error, outer = carry
-        grad = jax.tree_util.tree_map(lambda g, s: g.astype(jnp.result_type(s)), mean, start)
-        if self.outer_updater is None:
-            return jax.tree_util.tree_map(lambda s, g: s - g, start, grad), carry
-        updates, outer = self.outer_updater.update(grad, outer, start)
+        updates, outer = self.outer_updater.update(_in_dtypes_of(start, mean), outer, start)
         return optax.apply_updates(start, updates), (error, outer)
 
     def finish_short(self, start, mean, carry):
         """A short round steps by the mean pseudo-gradient itself; the outer state stays as it
         was (the outer step is set for rounds of ``local_steps``)."""
-        grad = jax.tree_util.tree_map(lambda g, s: g.astype(jnp.result_type(s)), mean, start)
-        return jax.tree_util.tree_map(lambda s, g: s - g, start, grad), carry
+        return jax.tree_util.tree_map(lambda s, g: s - g, start, _in_dtypes_of(start, mean)), carry
+
+
+def _in_dtypes_of(params, mean):
+    """The mean pseudo-gradient (float32) in the parameters' dtypes."""
+    return jax.tree_util.tree_map(lambda g, s: g.astype(jnp.result_type(s)), mean, params)
