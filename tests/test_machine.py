@@ -9,13 +9,14 @@ were fitted by workers that saw their round through.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import replace
 
 import pytest
 
 from dlspark.algorithms import GradientSharing, ParameterAveraging
 from dlspark.algorithms.averaging._messages import AverageOrder, AverageReply, AverageWith
 from dlspark.algorithms.sharing._driver import sync_plan
-from dlspark.algorithms.sharing._messages import HaveOrder, HaveReply, NextRoundOrder, ShareWith, SyncOrder, SyncReply
+from dlspark.algorithms.sharing._messages import HaveOrder, HaveReply, ShareWith, SyncOrder, SyncReply
 from dlspark.distributed._machine import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish,
                                           GraceOver, InvalidState, Join, Joined, JoinFailed, JobMachine, Probe, Probed,
                                           Replied, Send, Settings, Start, StateMachineEvent, Timer, WorkerJoined,
@@ -29,7 +30,7 @@ class Player:
     """One job's machine and its workers, played: ``feed`` an event, ``answer`` an order."""
 
     def __init__(self, algorithm="averaging", workers=("a", "b", "c"), n=12, k=2, epochs=1,
-                 settings=Settings(), **options):
+                 settings=Settings(), settled=False, **options):
         self.options = JobOptions(epochs=epochs, steps_per_round=k, **options)
         master = (ParameterAveraging(averaging_frequency=k) if algorithm == "averaging"
                   else GradientSharing(steps_per_round=k))
@@ -44,6 +45,9 @@ class Player:
         self.log: list = []  # every instruction
         self.end = None  # Finish, Fail or Abandon
         self.round = 0
+        # gradient sharing: each fit reply says its replica holds and applied every message of
+        # the round, as a worker's does (else it says nothing, and the round is synced)
+        self.settled = settled
 
     def feed(self, event, now=0.0):
         out = self.machine.handle(event, now)
@@ -84,6 +88,10 @@ class Player:
             else:
                 extra = {"bytes_sent": 10 * n, "dense_bytes": 100 * n, "threshold": 1e-3, "stale_wait": 0.0,
                          "debug": None}
+                if self.settled:
+                    start, quota = o.plan.peers[w]
+                    extra.update(have={p: list(range(s + 1, s + q + 1)) for p, (s, q) in o.plan.peers.items() if q},
+                                 last_step=start + quota, threshold_state=(1e-3, 0.01, start + quota))
             return FitReply(loss_sum=0.5 * n, n=n, examples=8 * n, fit_time=0.1, extra=extra,
                             steps=tuple((0.5, 8) for _ in o.refs))
         if isinstance(o, AverageOrder):
@@ -94,7 +102,7 @@ class Player:
             return SyncReply(threshold=1e-3, step=self.round, threshold_state=(1e-3, 0.01))
         if isinstance(o, RngOrder):
             return RngReply(rng=[w])
-        if isinstance(o, (CheckpointOrder, NextRoundOrder)):
+        if isinstance(o, CheckpointOrder):
             return Ack()
         raise AssertionError(f"unexpected order {o!r}")
 
@@ -187,6 +195,45 @@ def test_a_worker_lost_mid_round_has_its_minibatches_requeued(algorithm):
     assert isinstance(end, Finish) and end.result.trained == 2 * 12 and end.result.workers == ("a", "c")
     p.assert_each_minibatch_once_per_epoch(2)
     assert len(p.sent_to("b")) == 1  # only its first fit
+
+
+def test_a_sharing_round_whose_replicas_hold_every_message_ends_with_the_fit_replies():
+    p = Player("sharing", n=10, epochs=2, settled=True)
+    p.start()
+    end = p.play()
+    assert isinstance(end, Finish) and end.result.trained == 20 and end.result.workers == ("a", "b", "c")
+    p.assert_each_minibatch_once_per_epoch(2)
+    assert not [s for s in p.log if isinstance(s, Send) and not isinstance(s.order, FitOrder)]  # no sync asked
+    fits = [s for s in p.log if isinstance(s, Send) and isinstance(s.order, FitOrder)]
+    second = [s for s in fits if s.order.round == 2]
+    # the counters go on from the fit replies: each worker's next messages, and what every replica forgets
+    assert {s.worker: s.order.plan.peers[s.worker][0] for s in second} == {"a": 2, "b": 2, "c": 2}
+    assert all(s.order.plan.synced == {"a": 2, "b": 2, "c": 2} for s in second)
+    start, quota = [s for s in fits if s.worker == "a"][-1].order.plan.peers["a"]
+    assert end.result.algorithm_state["threshold_states"][0] == (1e-3, 0.01, start + quota)  # from a's last fit
+
+
+def test_a_sharing_round_with_a_message_missing_or_a_worker_lost_is_synced():
+    p = Player("sharing", n=6, settled=True)
+    p.start()
+    p.answer(p.order("a"))
+    p.answer(p.order("b"))
+    fit = p.reply_to(p.order("c"))
+    have = {**fit.extra["have"], "a": [1]}  # c missed a's second message
+    out = p.answer(p.order("c"), replace(fit, extra={**fit.extra, "have": have}))
+    assert sorted(s.worker for s in sends(out, HaveOrder)) == ["a", "b", "c"] and sends(out, HaveOrder) == sends(out)
+    assert all(s.order.synced == {} for s in sends(out))  # nothing synced before the first round
+    end = p.play()
+    assert isinstance(end, Finish) and end.result.trained == 6
+    p = Player("sharing", n=12, settled=True)
+    p.start()
+    p.answer(p.order("a"))
+    p.lose("b")
+    out = p.answer(p.order("c"))
+    assert sorted(s.worker for s in sends(out, HaveOrder)) == ["a", "c"]
+    end = p.play()
+    assert isinstance(end, Finish) and end.result.trained == 12
+    p.assert_each_minibatch_once_per_epoch(1)
 
 
 def test_averaging_marks_a_round_full_only_when_every_contributor_fits_the_frequency():
@@ -435,15 +482,15 @@ def test_an_unreachable_holder_in_the_sync_is_probed_dropped_and_the_sync_run_ag
     out = p.answer(p.order("b"), HaveReply(have={"a": [0, 1], "b": [0, 1], "c": [0, 1]}))
     assert p.order("a").order == SyncOrder({"b": [["c", 0], ["c", 1]]})  # c's messages from b now
     assert [s.worker for s in sends(out, SyncOrder)] == ["a", "b"]
-    out = p.answer_all()
-    assert sorted(s.worker for s in sends(out, NextRoundOrder)) == ["a", "b"]
-    out = p.answer_all()
+    out = p.answer_all()  # the sync's replies end the round: the next round's orders follow at once
     (stat,) = emits(out, "round")
     assert stat["workers"] == 2 and stat["minibatches"] == 4 and stat["attempts"] == 1
     assert stat["fetched_at_sync"] == 2
     assert {s.worker: s.order.refs for s in sends(out, FitOrder)} == {"a": (4,), "b": (5,)}  # c's back
     assert all(isinstance(s.order.plan, ShareWith) and set(s.order.plan.peers) == {"a", "b"}
                for s in sends(out, FitOrder))
+    # each replica forgets, as its next order comes, what every replica synced: c's messages too
+    assert all(s.order.plan.synced["c"] == 1 for s in sends(out, FitOrder))
     end = p.play()
     assert isinstance(end, Finish) and end.result.workers == ("a", "b") and end.result.trained == 6
     assert len(end.result.algorithm_state["threshold_states"]) == 2

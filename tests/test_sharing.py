@@ -66,6 +66,25 @@ def test_two_workers_reach_95_percent_with_a_fiftieth_of_dense_bytes(client2, ma
     assert losses[-1] < losses[0] / 5
 
 
+def test_a_fit_without_faults_ends_its_rounds_with_the_fit_replies(client2, make_net, digits):
+    # Every round of a fault-free fit ends with the workers' fit replies: each replica waited
+    # for its peer's messages and applied them, so the coordinator asks for no sync (on
+    # links of a few milliseconds each order costs a round trip). The epoch's minibatches
+    # split unevenly, so a worker ends some rounds a step before its peer and waits for it.
+    tr, _ = digits
+    n = 16 * 27  # 27 minibatches of 16, 14 and 13 a worker: rounds of 4 steps, the last of 2 and 1
+    trainer = DistributedTrainer(client2, _net(make_net), _master(steps_per_round=4, collect_training_stats=True),
+                                 progress=False)
+    trainer.fit(tr[:n], epochs=2)
+    assert sum(s["minibatches"] for s in trainer.last_fit_stats) == 2 * 27
+    ops = {e["op"] for e in trainer.training_stats.select(phase="order")}
+    assert ops == {"fit"}, ops
+    assert all(s["fetched_at_sync"] == 0 for s in trainer.last_fit_stats)
+    uneven = [s for s in trainer.last_fit_stats if len(set(s["worker_steps"].values())) > 1]
+    assert uneven, [s["worker_steps"] for s in trainer.last_fit_stats]  # some round had a worker wait at its end
+    assert trainer.replica_divergence is not None and trainer.replica_divergence < 0.1
+
+
 def _direct_messages(on):
     """On a worker: dlspark.sharing.direct-messages set to ``on``; returns what it was."""
     import dask
@@ -561,12 +580,17 @@ def test_a_late_push_from_a_lost_sender_is_applied_by_no_replica(make_net, digit
         s.fit(batches(lo, 2), {p: v for p, v in peers.items() if p != me},
               lambda k, m, me=me, o=other: o.receive(me, k, m))
     by = {"tcp://a:1": a, "tcp://b:1": b}
-    missing = sync_plan({w: s.have() for w, s in by.items()}, list(by))  # C is lost: not asked
+    haves = {w: s.have() for w, s in by.items()}
+    missing = sync_plan(haves, list(by))  # C is lost: not asked
     for k, m in held:
         a.receive("tcp://c:1", k, m)  # lands at A after A reported what it holds
+    synced = {}  # as the coordinator counts them: each sender's last message a replica reported
+    for have in haves.values():
+        for sender, steps in have.items():
+            synced[sender] = max(synced.get(sender, 0), *steps)
     for w, s in by.items():
         s.apply_pending([kv for h, keys in missing[w].items() for kv in zip([tuple(k) for k in keys], by[h].get(keys))])
-        s.new_round()
+        s.forget(synced)
     flat = {s: np.asarray(ravel_pytree(s.job.state.params)[0]) for s in (a, b)}
     # a worker joining now starts, from either replica, with what every replica holds in common
     # (and no residual): the same parameters whichever replica it joins from
@@ -577,6 +601,65 @@ def test_a_late_push_from_a_lost_sender_is_applied_by_no_replica(make_net, digit
         flat = {s: x - s.residual for s, x in flat.items()}
     np.testing.assert_allclose(flat[a], flat[b], rtol=0, atol=1e-6)
     np.testing.assert_allclose(joiner[a], flat[a], rtol=0, atol=1e-6)
+
+
+def test_a_round_ends_on_each_replica_with_every_peers_messages_applied_and_needs_no_sync(make_net, digits):
+    # A's share of the round is 2 minibatches, B's 3: at its round's end A waits for B's
+    # messages, applies those it has not (all three here: A ran first), and reports holding
+    # every message, as B does; the coordinator's sync plan then fetches nothing, and the
+    # replicas (DL4J's encoded own update: equal) hold the same parameters. A message that
+    # never comes is waited for up to the stale timeout and left out of what A reports, which
+    # the sync plan then fetches. The replicas' sharing states run in this process, their
+    # pushes delivered by hand.
+    from types import SimpleNamespace
+
+    import dask
+
+    from dlspark.algorithms.sharing._driver import sync_plan
+    from dlspark.algorithms.sharing._state import SharingState
+    from dlspark.stats._recorder import NULL
+
+    tr, _ = digits
+    net = make_net(MLP(hidden=32), updater=optax.adam(1e-2))
+    master = GradientSharing(threshold_algorithm=FixedThreshold(1e-3), max_staleness=100,
+                             own_update="encoded").for_workers(2)
+
+    def state(addr):
+        job = SimpleNamespace(master=master, state=jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True),
+                                                                           net.state),
+                              spec=SimpleNamespace(algorithm_state={}), net=net, address=addr, stats=NULL)
+        return SharingState(job)
+
+    def batches(lo, n):
+        return [(16, tr[lo + 16 * i: lo + 16 * (i + 1)].jit_batch()) for i in range(n)]
+
+    a, b = state("tcp://a:1"), state("tcp://b:1")
+    peers = {"tcp://a:1": (0, 2), "tcp://b:1": (0, 3)}
+    a.fit(batches(0, 2), {"tcp://b:1": peers["tcp://b:1"]}, lambda k, m: b.receive("tcp://a:1", k, m))
+    b.fit(batches(32, 3), {"tcp://a:1": peers["tcp://a:1"]}, lambda k, m: a.receive("tcp://b:1", k, m))
+    before = np.asarray(ravel_pytree(a.job.state.params)[0])
+    haves = {"tcp://a:1": a.finish_round({"tcp://b:1": peers["tcp://b:1"]}),
+             "tcp://b:1": b.finish_round({"tcp://a:1": peers["tcp://a:1"]})}
+    assert haves["tcp://a:1"] == haves["tcp://b:1"] == {"tcp://a:1": [1, 2], "tcp://b:1": [1, 2, 3]}
+    assert not any(sync_plan(haves, list(haves)).values())
+    flat = [np.asarray(ravel_pytree(s.job.state.params)[0]) for s in (a, b)]
+    assert np.abs(flat[0] - before).max() > 1e-4  # A applied B's three messages at its round's end
+    np.testing.assert_allclose(flat[0], flat[1], rtol=0, atol=1e-6)
+    assert a.finish_round({"tcp://b:1": peers["tcp://b:1"]}) == haves["tcp://a:1"]  # again: nothing applied twice
+    np.testing.assert_array_equal(np.asarray(ravel_pytree(a.job.state.params)[0]), flat[0])
+    # the next round: each forgets the round every replica synced; B's fifth message is lost on the way
+    for s in (a, b):
+        s.forget({"tcp://a:1": 2, "tcp://b:1": 3})
+        assert not s.store and not s.inbox and not s.applied
+    a.fit(batches(96, 1), {"tcp://b:1": (3, 2)}, lambda k, m: b.receive("tcp://a:1", k, m))
+    b.fit(batches(128, 2), {"tcp://a:1": (2, 1)}, lambda k, m: a.receive("tcp://b:1", k, m) if k == 4 else None)
+    with dask.config.set({"dlspark.sharing.stale-timeout": "0.3s"}):
+        held = {"tcp://a:1": a.finish_round({"tcp://b:1": (3, 2)}),
+                "tcp://b:1": b.finish_round({"tcp://a:1": (2, 1)})}
+    assert held == {"tcp://a:1": {"tcp://a:1": [3], "tcp://b:1": [4]},
+                    "tcp://b:1": {"tcp://a:1": [3], "tcp://b:1": [4, 5]}}
+    assert "tcp://b:1" in a.gone  # waited for, then left to the sync, which fetches it from B
+    assert sync_plan(held, list(held)) == {"tcp://a:1": {"tcp://b:1": [["tcp://b:1", 5]]}, "tcp://b:1": {}}
 
 
 def test_the_threshold_carried_on_leaves_out_workers_that_sent_nothing():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...distributed._machine import RoundDone
 from ...distributed._messages import FitOrder
 from .._base import RoundDriver
-from ._messages import HaveOrder, NextRoundOrder, ShareWith, SharingFigures, SyncOrder
+from ._messages import HaveOrder, ShareWith, SharingFigures, SyncOrder
 from ._thresholds import senders, threshold_meta
 from ._topology import tree_links
 
@@ -40,7 +40,12 @@ class SharingDriver(RoundDriver):
     """Workers step freely, exchanging messages peer to peer; then every replica catches
     up on the round's messages it missed, so that all applied the same set. A pass of
     that sync that lost a worker or found a holder unreachable is run again over the
-    replicas left."""
+    replicas left.
+
+    A round in which every live worker trained, none was lost, and each fit reply says its
+    replica holds and applied every contributor's messages of the round ends with the fit
+    replies: no sync is asked for (the common case, one round trip a round). A replica
+    forgets the messages of the rounds before when its next order comes (``synced``)."""
 
     failure = "the replicas could not be synced"
 
@@ -61,14 +66,19 @@ class SharingDriver(RoundDriver):
         links = tree_links(active, self.master.tree_fanout) if self.master.mesh == "tree" else {}
         epoch = self.options.base_epoch + plan.epoch
         self.contributors = list(plan.contributors)
+        synced = dict(self.counters)
         return [(w, FitOrder(round=plan.round, epoch=epoch, refs=tuple(plan.assignment[w]),
                              next_refs=tuple(hint.get(w, ())),
-                             plan=ShareWith(peers, None if w not in links else tuple(links[w]))))
+                             plan=ShareWith(peers, None if w not in links else tuple(links[w]), synced)))
                 for w in active]
 
     def step(self, replies, live, attempt):
         if self.phase == "fit":
             self.fits = dict(replies)
+            if self._settled_by_fits(live):
+                held = {w: f.extra["have"] for w, f in self.fits.items()}
+                return self._done(held, {w: (f.extra["last_step"], f.extra["threshold_state"])
+                                         for w, f in self.fits.items()}, live)
             return self._have(live)
         if self.phase == "have":
             self.haves = {w: r.have for w, r in replies.items() if w in live}
@@ -80,24 +90,40 @@ class SharingDriver(RoundDriver):
             if faults:  # sync again from the holders left (or, if the failure passed, the same)
                 return self._have(live)
             self.fetched = sum(sum(len(k) for k in self.missing[w].values()) for w in replies)
-            # every replica now holds each sender's messages up to here, a lost sender's too: a
-            # worker that comes back at its address numbers its messages after them (a message
-            # numbered as one already applied would be taken for a late copy and dropped)
-            for have in self.haves.values():
-                for sender, steps in have.items():
-                    if steps:
-                        self.counters[sender] = max(self.counters.get(sender, 0), max(steps))
-            for w, r in replies.items():
-                self.counters[w] = r.step
-                self.thresholds[w] = tuple(r.threshold_state)
-            self.phase = "next"
-            return [(w, NextRoundOrder()) for w in sorted(live)]
+            return self._done(self.haves, {w: (r.step, r.threshold_state) for w, r in replies.items()}, live)
+        raise RuntimeError(f"gradient sharing's round has no phase {self.phase!r} after which to step")
+
+    def _settled_by_fits(self, live) -> bool:
+        """Whether the fit replies end the round: every live worker trained in it and answered
+        (none idle, none lost), and each holds and applied every contributor's messages."""
+        if set(self.fits) != set(live) or set(self.contributors) != set(live):
+            return False
+        if not all("have" in f.extra for f in self.fits.values()):
+            return False
+        missing = sync_plan({w: f.extra["have"] for w, f in self.fits.items()}, self.contributors)
+        return not any(missing.values())
+
+    def _done(self, haves, replicas, live):
+        """The round synced: each replica applied the messages in ``haves``; ``replicas`` maps a
+        replica to its message counter and threshold state."""
+        # every replica now holds each sender's messages up to here, a lost sender's too: a
+        # worker that comes back at its address numbers its messages after them (a message
+        # numbered as one already applied would be taken for a late copy and dropped)
+        for have in haves.values():
+            for sender, steps in have.items():
+                if steps:
+                    self.counters[sender] = max(self.counters.get(sender, 0), max(steps))
+        for w, (step, threshold_state) in replicas.items():
+            self.counters[w] = step
+            self.thresholds[w] = tuple(threshold_state)
+        self.phase = "done"
         return RoundDone(tuple(w for w in self.contributors if w in live))
 
     def _have(self, live):
         self.contributors = [w for w in self.contributors if w in self.fits and w in live]
         self.phase = "have"
-        return [(w, HaveOrder()) for w in sorted(live)]
+        synced = dict(self.counters)  # the rounds before this one: not changed until it is synced
+        return [(w, HaveOrder(synced)) for w in sorted(live)]
 
     def round_stats(self):
         fits = {w: f for w, f in self.fits.items() if w in self.contributors}

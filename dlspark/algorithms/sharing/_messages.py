@@ -9,24 +9,29 @@ from typing import ClassVar
 from ...distributed._messages import Order, Reply
 from ...stats._record import RoundFigures
 
-__all__ = ["SharingFigures", "ShareWith", "HaveOrder", "HaveReply", "SyncOrder", "SyncReply", "NextRoundOrder", "Messages"]
+__all__ = ["SharingFigures", "ShareWith", "HaveOrder", "HaveReply", "SyncOrder", "SyncReply", "Messages"]
 
 
 @dataclass(frozen=True)
 class ShareWith:
     """A fit order's plan: ``peers`` maps each live worker to (its message counter at the
     round's start, its minibatches this round); ``links`` are its tree neighbours (tree
-    mesh) or None (every worker sends to every peer)."""
+    mesh) or None (every worker sends to every peer); ``synced`` maps every sender, lost
+    ones too, to the last of its messages that every replica applied in the rounds before
+    (which a replica forgets before it starts this round)."""
 
     peers: dict
     links: tuple | None = None
+    synced: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class HaveOrder(Order):
-    """Report the round's messages held."""
+    """Report the round's messages held (after forgetting those of earlier rounds, ``synced``
+    as in :class:`ShareWith`)."""
 
     op: ClassVar[str] = "have"
+    synced: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -48,13 +53,6 @@ class SyncReply(Reply):
     threshold: float = 0.0
     step: int = 0
     threshold_state: tuple = ()
-
-
-@dataclass(frozen=True)
-class NextRoundOrder(Order):
-    """Every replica synced: forget the finished round's messages."""
-
-    op: ClassVar[str] = "next_round"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from distributed.protocol import to_serialize
 
 from ... import config
 from ...distributed._channel import Channel, channel_host
-from ...distributed._messages import Ack, FitReply
+from ...distributed._messages import FitReply
 from ...distributed._peers import call_peer
 from ...distributed._run import WorkerRun
 from ._messages import HaveReply, Messages, SyncReply
@@ -121,23 +121,29 @@ class SharingRun(WorkerRun):
             await asyncio.wait({asyncio.ensure_future(self._open_channels(targets))}, timeout=1.0)
 
         def run():
+            s.forget(order.plan.synced)  # the rounds before, which every replica synced
             self.state = self.state.replace(epoch=jnp.asarray(order.epoch, jnp.int32))
             refs = list(order.refs)
             self.prefetch.expect(refs, list(order.next_refs))
             wait0 = self.prefetch.wait_time
             t0 = time.perf_counter()
             out = s.fit(self.batches(refs), peers, send)
+            fit_time = time.perf_counter() - t0
+            # every peer's messages of the round, applied: the coordinator then needs no sync
+            have = s.finish_round(peers)
+            self.stats.mark("sync", part="end")
             with s.lock:  # since the last reply: a peer's message that came before this round's order counts here
                 direct, relayed = s.direct - self._told[0], s.relayed - self._told[1]
                 self._told = (s.direct, s.relayed)
             return FitReply(loss_sum=out.pop("loss_sum"), n=out.pop("n"), examples=out.pop("examples"),
-                            steps=out.pop("steps"),
-                            fit_time=time.perf_counter() - t0, data_wait=self.prefetch.wait_time - wait0,
-                            extra={**out, "relayed": relayed, "direct": direct})
+                            steps=out.pop("steps"), fit_time=fit_time, data_wait=self.prefetch.wait_time - wait0,
+                            extra={**out, "relayed": relayed, "direct": direct, "have": have,
+                                   "threshold_state": tuple(s.tstate)})
 
         return await self.compute(run)
 
     async def order_have(self, order):
+        self.sharing.forget(order.synced)
         return HaveReply(have=self.sharing.have(), step=self.sharing.step)
 
     async def order_sync(self, order):
@@ -161,10 +167,6 @@ class SharingRun(WorkerRun):
         s = self.sharing
         return SyncReply(unreachable=tuple(unreachable), threshold=float(s.tstate.threshold), step=s.step,
                          threshold_state=tuple(s.tstate))
-
-    async def order_next_round(self, order):
-        self.sharing.new_round()
-        return Ack()
 
     # -- requests from peers ----------------------------------------------------------
     def _delivered(self, sender: str, via: str | None, step: int, message) -> None:

@@ -256,6 +256,14 @@ def replica_options(master, replicas: int, opt_state, params) -> ReplicaOptions:
 
 
 
+def _by_sender(keys) -> dict:
+    """Message keys ``(sender, step)`` as ``{sender: [steps, ascending]}``."""
+    out: dict = {}
+    for sender, step in keys:
+        out.setdefault(sender, []).append(step)
+    return {s: sorted(v) for s, v in out.items()}
+
+
 class SharingState:
     """Per-job gradient-sharing state of one worker."""
 
@@ -329,10 +337,7 @@ class SharingState:
         applies these and the ones it fetches, no others (see :meth:`apply_pending`)."""
         with self.lock:
             self.reported = set(self.store)
-            out: dict = {}
-            for sender, step in self.store:
-                out.setdefault(sender, []).append(step)
-            return {s: sorted(v) for s, v in out.items()}
+            return _by_sender(self.reported)
 
     def get(self, keys):
         with self.lock:
@@ -394,17 +399,40 @@ class SharingState:
         return self._wait_until_caught_up(lambda: [p for p in peers if missing(p)]), upto
 
     # -- the step loop (compute thread) ------------------------------------------
-    def new_round(self):
-        """After a sync every replica applied the round's messages: forget them, so that the
-        bookkeeping stays the size of one round however long the job runs."""
+    def forget(self, synced: dict):
+        """Forget the messages every replica applied in the rounds before this one (``synced``:
+        each sender's last such message, as the coordinator counted them), so that the
+        bookkeeping stays the size of one round however long the job runs. Called as the next
+        order comes, so a peer's message of the new round that came first is kept."""
         with self.lock:
-            for sender, step in self.store:
-                self.synced[sender] = max(self.synced.get(sender, 0), step)
-            self.applied = {(s, k) for s, k in self.applied if k > self.synced.get(s, 0)}
-            self.inbox = {k: v for k, v in self.inbox.items() if k not in self.applied and k[1] > self.synced.get(k[0], 0)}
-            self.store = dict(self.inbox)
+            for sender, step in synced.items():
+                self.synced[sender] = max(self.synced.get(sender, 0), int(step))
+
+            def later(key):
+                return key[1] > self.synced.get(key[0], 0)
+
+            self.applied = {k for k in self.applied if later(k)}
+            self.inbox = {k: v for k, v in self.inbox.items() if later(k)}
+            self.store = {k: v for k, v in self.store.items() if later(k)}
             self.reported = None
         self.gone = set()
+
+    def finish_round(self, peers) -> dict:
+        """This replica's end of a round (``peers`` as :meth:`fit` takes them): wait, as a step
+        does and up to the stale timeout, for every live peer's messages of the round; apply
+        those it holds and has not applied (a peer's steps after this replica's last); return
+        what it holds, ``{sender: [steps]}``, every one of them applied. Where every replica
+        holds every contributor's messages, the round needs no sync."""
+
+        def short(p):
+            start, quota = peers[p]
+            return any((p, k) not in self.store for k in range(start + 1, start + quota + 1))
+
+        self._wait_until_caught_up(lambda: [p for p in peers if short(p)])
+        with self.lock:
+            keys = set(self.store)
+        self._apply_held(keys)
+        return _by_sender(keys)
 
     def _publish(self, message, send):
         """Ship this worker's message of its current step (already applied here), and keep it
@@ -526,7 +554,10 @@ class SharingState:
         other replica, which would not apply it, so neither does this one."""
         for key, m in extra:
             self.receive(key[0], key[1], m)
-        only = None if self.reported is None else self.reported | {tuple(k) for k, _ in extra}
+        self._apply_held(None if self.reported is None else self.reported | {tuple(k) for k, _ in extra})
+
+    def _apply_held(self, only):
+        """Add the held messages not yet applied (those in ``only``, if given) to the parameters."""
         total = np.zeros(self.n, np.float32)
         if self._drain_into(total, only):
             self.job.state = self.add_flat(self.job.state, jnp.asarray(total))
