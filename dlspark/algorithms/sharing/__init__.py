@@ -4,7 +4,8 @@
 - ``_encoding``, ``_thresholds``: threshold encoding with residuals, threshold
   algorithms and residual post-processors (pure);
 - ``_state``: a worker's residual, inbox and step loop; ``_run``: its orders and peer requests;
-- ``_driver``: the scheduler side (the sync plan after each round); ``_topology``: the relay tree.
+- ``_driver``: the scheduler side (a round's end, and the sync plan where a round needs one);
+  ``_topology``: the relay tree.
 """
 
 from ._encoding import decode, threshold_encode

@@ -77,9 +77,10 @@ class GradientSharing(Algorithm):
     steps_per_round : int
         Minibatches handed to each worker at a time. No call to the coordinator
         comes between a round's steps (a step waits only for its peers' messages,
-        as ``max_staleness`` says); at the end of each such round the replicas
-        confirm they applied the same messages (and lost or joining workers are
-        handled).
+        as ``max_staleness`` says); at the end of each such round every replica
+        waits for its peers' messages of the round and tells the coordinator which
+        it applied, one round trip, and lost or joining workers are handled (a
+        round with a fault also syncs the replicas' messages through the coordinator).
     max_staleness : int
         How many steps a worker may run ahead of the slowest live peer. ``0`` (the
         default) is synchronous delivery: at the end of each step a worker waits for

@@ -1,4 +1,4 @@
-"""Gradient sharing on one worker: the step loop, one-way pushes to peers, and the round's sync."""
+"""Gradient sharing on one worker: the step loop, one-way pushes to peers, the round's end and its sync."""
 
 from __future__ import annotations
 
