@@ -278,7 +278,7 @@ def run_torch(net, n, epochs, runs, hook, world, curve_epochs=0):
 CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "ddp-powersgd",
               "averaging5-no-updater", "localsgd50-bf16-outer", "sharing-sync", "sharing-async", "sharing-encoded",
               "sharing-first", "sharing-dgc-warmup", "sharing-no-clipping", "averaging50", "sharing-dask-messages",
-              "averaging5-bf16", "sharing-rounds64")
+              "averaging5-bf16", "sharing-rounds64", "sharing-lag1")
 #: measured by default; torch 2.13's powerSGD_hook fails a collective on gloo here ("Received data
 #: size doesn't match expected size"), so it runs only when named, as does averaging without
 #: save_updater (whose rounds carry the parameters alone) and LocalSGD (averaging50-outer's rounds
@@ -286,7 +286,7 @@ CONTENDERS = ("averaging5", "sharing", "averaging50-outer", "ddp", "ddp-fp16", "
 #: at 50 with its defaults otherwise (updates scaled with the workers, no outer step), and the
 #: defaults with their exchange in bfloat16 (exchange_precision, half of a round's bytes), and
 #: gradient sharing with rounds of 64 steps (a round's end waits on the coordinator: under a
-#: delay, fewer rounds wait less)
+#: delay, fewer rounds wait less), and with its peers' messages applied a step late
 DEFAULT_CONTENDERS = CONTENDERS[:5]
 
 
@@ -346,6 +346,8 @@ def _master(name):
         return dlspark.GradientSharing(batch_size_per_worker=BATCH, max_staleness=0)
     if name == "sharing-rounds64":
         return dlspark.GradientSharing(batch_size_per_worker=BATCH, steps_per_round=64)
+    if name == "sharing-lag1":  # peers' messages applied a step late: a step does not wait for a round trip
+        return dlspark.GradientSharing(batch_size_per_worker=BATCH, delivery_lag=1)
     if name == "sharing-encoded":  # DL4J's own update (the default before own_update="whole")
         return dlspark.GradientSharing(batch_size_per_worker=BATCH, own_update="encoded")
     if name == "sharing-first":  # the whole own update, a fit ending with the first replica's parameters

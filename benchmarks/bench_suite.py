@@ -253,6 +253,9 @@ OPTIONS = {
     # gradient sharing with rounds of 64 steps, not 16: a round's end waits on the coordinator,
     # which a delay between hosts makes dear (docs/benchmarks/network.md, "Latency between hosts")
     "sharing-rounds64": ("sharing", {"steps_per_round": 64}),
+    # gradient sharing whose replicas apply their peers' messages a step late (delivery_lag=1), so
+    # that a step's messages travel during the next step (docs/benchmarks/network.md)
+    "sharing-lag1": ("sharing", {"delivery_lag": 1}),
 }
 #: an option that is not the master's: Adam's learning rate times this function of the workers
 LR_SCALES = {"sqrt": math.sqrt, "linear": float, "inv-sqrt": lambda n: 1.0 / math.sqrt(n)}

@@ -263,12 +263,15 @@ def test_nonfinite_loss_raises_and_leaves_the_network_as_before_the_fit(make_net
 
 
 # -- gradient sharing ------------------------------------------------------------------
-def _sharing_by_hand(net, batches, shares, threshold, own_update="whole"):
+def _sharing_by_hand(net, batches, shares, threshold, own_update="whole", lag=0):
     """Lockstep gradient sharing done in this process with the workers' encoder: the oracle.
     Step j: device i fits minibatch ``shares[i][j]`` (if its share has one) from its replica's
     parameters and adds its update to its residual; every replica applies the others' decoded
     messages and its own whole update (``own_update="whole"``), or every decoded message.
-    Returns each replica's parameters and residual."""
+    With ``lag=1`` (``delivery_lag``) a replica that trained applies its own update (whole, or
+    its message) and the others' messages of step j-1; one that did not keeps the others'
+    messages for the end, where every replica applies what it has not, in one sum (the
+    shares are one round). Returns each replica's parameters and residual."""
     from jax.flatten_util import ravel_pytree
 
     from dlspark.algorithms.sharing._encoding import decode, threshold_encode
@@ -276,6 +279,7 @@ def _sharing_by_hand(net, batches, shares, threshold, own_update="whole"):
     flat, unravel = ravel_pytree(net.state.params)
     residuals = [np.zeros(flat.size, np.float32) for _ in shares]
     params = [net.state.params for _ in shares]
+    before, pending = {}, [[] for _ in shares]  # lag: the step before's messages; an idle replica's
     for j in range(max(map(len, shares))):
         messages, updates = {}, {}
         for i, b in [(i, batches[s[j]]) for i, s in enumerate(shares) if j < len(s)]:
@@ -284,17 +288,30 @@ def _sharing_by_hand(net, batches, shares, threshold, own_update="whole"):
             residuals[i] += updates[i]
             messages[i] = decode(threshold_encode(residuals[i], threshold, out=residuals[i], min_count=2).message)
         for i in range(len(shares)):
+            if lag and i not in updates:
+                pending[i] += [m for k, m in before.items() if k != i]
+                continue
             mine = own_update == "whole" and i in updates
             total = updates[i].copy() if mine else np.zeros(flat.size, np.float32)
-            for k, m in messages.items():
-                if not (mine and k == i):
-                    total += m
+            if lag:
+                total += 0 if mine else messages[i]
+                peers = {k: m for k, m in before.items() if k != i}
+            else:
+                peers = {k: m for k, m in messages.items() if not (mine and k == i)}
+            for m in peers.values():
+                total += m
             params[i] = optax.apply_updates(params[i], unravel(total))
+        before = messages
+    for i in range(len(shares) if lag else 0):  # the round's end
+        held = pending[i] + [m for k, m in before.items() if k != i]
+        if held:
+            params[i] = optax.apply_updates(params[i], unravel(np.sum(held, axis=0, dtype=np.float32)))
     return params, residuals
 
 
+@pytest.mark.parametrize("lag", [0, 1])
 @pytest.mark.parametrize("own_update", ["whole", "encoded"])
-def test_gradient_sharing_steps_in_lockstep_as_by_hand(make_net, digits, own_update):
+def test_gradient_sharing_steps_in_lockstep_as_by_hand(make_net, digits, own_update, lag):
     from jax.flatten_util import ravel_pytree
 
     from dlspark.algorithms.sharing import FixedThreshold, NoResidualPostProcessing
@@ -302,12 +319,13 @@ def test_gradient_sharing_steps_in_lockstep_as_by_hand(make_net, digits, own_upd
     tr, _ = digits
     batches = tr[:288].batches(32)  # 9 minibatches
     master = GradientSharing(batch_size_per_worker=32, threshold_algorithm=FixedThreshold(3e-3),
-                             residual_post_processor=NoResidualPostProcessing(), own_update=own_update)
+                             residual_post_processor=NoResidualPostProcessing(), own_update=own_update,
+                             delivery_lag=lag)
     net = make_net(updater=optax.sgd(0.1))
     # one round (16 steps a round by default): the planner deals each device a contiguous share,
     # as it deals a cluster's workers; device 1 idles at the last step
-    params, residuals = _sharing_by_hand(make_net(updater=optax.sgd(0.1)), batches, [[0, 1, 2, 3, 4], [5, 6, 7, 8]],
-                                         3e-3, own_update)
+    shares = [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+    params, residuals = _sharing_by_hand(make_net(updater=optax.sgd(0.1)), batches, shares, 3e-3, own_update, lag)
     wrapper = ParallelWrapper(net, master, CPU2, progress=False, sharing_encoder="host")
     wrapper.fit(batches)
     # the fit ends with the replicas' mean (own_update="whole"; they are equal under "encoded")
@@ -316,7 +334,12 @@ def test_gradient_sharing_steps_in_lockstep_as_by_hand(make_net, digits, own_upd
     comm = wrapper.published["communication"]
     assert 0 < comm["bytes_sent"] < comm["dense_bytes"] / 10
     apart = np.abs(ravel_pytree(params[0])[0] - ravel_pytree(params[1])[0]).max()
-    if own_update == "encoded":
+    if lag:  # a step late is another run: the same messages applied a step later change the next gradients
+        other, _ = _sharing_by_hand(make_net(updater=optax.sgd(0.1)), batches, shares, 3e-3, own_update, 0)
+        assert np.abs(ravel_pytree(other[0])[0] - ravel_pytree(params[0])[0]).max() > 1e-4
+    if own_update == "encoded" and lag:  # every message applied by every replica, in other sums
+        assert wrapper.published["replica_divergence"] < 1e-6 and apart < 1e-6
+    elif own_update == "encoded":
         assert wrapper.published["replica_divergence"] == 0.0 and apart == 0.0
     else:  # each replica holds its own residual's part of its updates, which the other lacks
         gap = np.abs(residuals[0] - residuals[1]).max()
@@ -324,14 +347,15 @@ def test_gradient_sharing_steps_in_lockstep_as_by_hand(make_net, digits, own_upd
         assert wrapper.published["replica_divergence"] == pytest.approx(apart, rel=1e-3)
 
 
-def test_gradient_sharing_encodes_in_xla_with_the_host_encoders_bits(make_net, digits):
+@pytest.mark.parametrize("lag", [0, 1])
+def test_gradient_sharing_encodes_in_xla_with_the_host_encoders_bits(make_net, digits, lag):
     # the default master: adaptive threshold and residual clipping, Adam on every replica
     tr, te = digits
     runs = {}
     for encoder in ("host", "xla"):
         net = make_net()
-        wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=16, steps_per_round=8), CPU2,
-                                  progress=False, sharing_encoder=encoder)
+        wrapper = ParallelWrapper(net, GradientSharing(batch_size_per_worker=16, steps_per_round=8, delivery_lag=lag),
+                                  CPU2, progress=False, sharing_encoder=encoder)
         wrapper.fit(tr[:800], epochs=2)
         runs[encoder] = (net, wrapper)
     (a, wa), (b, wb) = runs["host"], runs["xla"]

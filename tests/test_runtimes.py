@@ -168,6 +168,32 @@ def test_synchronous_delivery_gives_the_wrappers_bits_on_a_cluster_with_several_
     assert sorted(cluster.last_fit_stats[-1]["threshold"].values()) == sorted(here.last_fit_stats[-1]["threshold"].values())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("minibatches", [19, 17])
+def test_delivery_a_step_late_gives_the_wrappers_bits_on_a_cluster(client2, make_net, digits, minibatches):
+    # delivery_lag=1: a worker applies its peer's message of the step before, and at its
+    # round's end the rest in one sum, as the wrapper's replicas do; 19 minibatches end each
+    # epoch in a round of 2 and 1 steps (a worker waits at its end for its peer's last), 17 in
+    # one of 1 and 0 (an idle worker, synced by the coordinator). With two replicas the sums
+    # are the same bits.
+    tr, _ = digits
+    master = GradientSharing(batch_size_per_worker=32, steps_per_round=4, delivery_lag=1, training_approach="direct")
+    data = tr[:32 * minibatches]
+    cluster = DistributedTrainer(client2, make_net(), master, progress=False)
+    cluster.fit(data, epochs=2)
+    here = ParallelWrapper(make_net(), master, CPU2, progress=False, sharing_encoder="host")
+    here.fit(data, epochs=2)
+    last = sorted(cluster.last_fit_stats[-1]["worker_steps"].values())
+    assert last == ([1, 2] if minibatches == 19 else [1])
+    _same(cluster.network.state.params, here.network.state.params, atol=0.0)
+    assert cluster.communication["bytes_sent"] == here.communication["bytes_sent"] > 0
+    synced = DistributedTrainer(client2, make_net(), dataclasses.replace(master, delivery_lag=0), progress=False)
+    synced.fit(data, epochs=2)
+    assert max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(
+        jax.tree_util.tree_leaves(synced.network.state.params),
+        jax.tree_util.tree_leaves(cluster.network.state.params))) > 1e-5  # the lag is another run
+
+
 def _fits(trainer, epochs, data):
     for e in epochs:
         trainer.fit(data, epochs=e)

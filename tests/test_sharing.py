@@ -37,7 +37,16 @@ def test_config_validation():
         GradientSharing(threshold_algorithm=0.1)
     with pytest.raises(ValueError, match="max_staleness must be an integer >= 0"):
         GradientSharing(max_staleness=-1)
+    with pytest.raises(ValueError, match=r"delivery_lag must be 0 .* or 1 .*, got 2"):
+        GradientSharing(delivery_lag=2)
+    with pytest.raises(ValueError, match="delivery_lag must be an integer >= 0"):
+        GradientSharing(delivery_lag=-1)
+    with pytest.raises(ValueError, match="with max_staleness=4 a replica applies its peers' messages as they come"):
+        GradientSharing(delivery_lag=1, max_staleness=4)
     g = GradientSharing()
+    assert g.delivery_lag == 0
+    with pytest.raises(ValueError, match="delivery_lag must be an integer >= 0, got True"):
+        GradientSharing(delivery_lag=True)
     assert (g.batch_size_per_worker, g.worker_prefetch_num_batches, g.training_approach, g.mesh) == (32, 2, "export", "plain")
     assert g.threshold_algorithm == AdaptiveThreshold() and g.residual_post_processor.frequency == 5
 
@@ -66,15 +75,16 @@ def test_two_workers_reach_95_percent_with_a_fiftieth_of_dense_bytes(client2, ma
     assert losses[-1] < losses[0] / 5
 
 
-def test_a_fit_without_faults_ends_its_rounds_with_the_fit_replies(client2, make_net, digits):
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_fit_without_faults_ends_its_rounds_with_the_fit_replies(client2, make_net, digits, lag):
     # Every round of a fault-free fit ends with the workers' fit replies: each replica waited
     # for its peer's messages and applied them, so the coordinator asks for no sync (on
     # links of a few milliseconds each order costs a round trip). The epoch's minibatches
     # split unevenly, so a worker ends some rounds a step before its peer and waits for it.
     tr, _ = digits
     n = 16 * 27  # 27 minibatches of 16, 14 and 13 a worker: rounds of 4 steps, the last of 2 and 1
-    trainer = DistributedTrainer(client2, _net(make_net), _master(steps_per_round=4, collect_training_stats=True),
-                                 progress=False)
+    master = _master(steps_per_round=4, collect_training_stats=True, delivery_lag=lag)
+    trainer = DistributedTrainer(client2, _net(make_net), master, progress=False)
     trainer.fit(tr[:n], epochs=2)
     assert sum(s["minibatches"] for s in trainer.last_fit_stats) == 2 * 27
     ops = {e["op"] for e in trainer.training_stats.select(phase="order")}

@@ -12,7 +12,10 @@ message, the post-processor, the threshold's update), and every replica applies
 the other devices' messages with its own whole update (``own_update="whole"``), or
 the sum of all devices' messages (``"encoded"``, so that the parameters stay equal),
 as a worker does. This is synchronous delivery: the cluster's staleness, sync and
-faults do not arise.
+faults do not arise. With ``delivery_lag=1`` a replica applies its own update and the
+other devices' messages of the step before, and a replica without a minibatch in a step
+keeps those for the round's end, where every replica applies what it has not in one sum
+(:meth:`_Replicas.flush`), as a worker ends its round.
 
 Two encoders, the same bits: ``"host"`` runs the workers' encoder on the host
 (faster on XLA's CPU backend, where the devices are the host's cores), ``"xla"``
@@ -203,6 +206,12 @@ class _Replicas:
         self.opts = replica_options(master, len(self.devices), net.state.opt_state, net.state.params)
         self.mask_momentum = fns.mask_momentum
         self.density = None  # the sparsity warm-up's fraction in this epoch (set by the fit)
+        # delivery_lag=1: each replica's message of the step before (host: Encoded; XLA: the moved
+        # vector), and what a replica idle in a step has yet to apply (host: its peers' Encoded;
+        # XLA: their sums), applied at the round's end with the last step's (flush)
+        self.lag = master.delivery_lag
+        self.prev: dict = {}
+        self.pending: list = [[] for _ in self.devices]
         self.sent: dict = {}  # replica -> the elements its message just sent (momentum masking)
         start = master.carried_threshold(runtime.algorithm_state) or self.algo.init()
         self.tstates = [start] * len(self.devices)
@@ -218,7 +227,7 @@ class _Replicas:
             # it. A replica that trained in the step between read back that step's update, which
             # waits for the apply before it; an idle replica's add is waited for in its own step.
             self.totals = SumVectors(self.n)
-            if self.own_whole:  # each replica's own sum (its update and its peers' messages)
+            if self.own_whole or self.lag:  # each replica's own sum (its update and its peers' messages)
                 self.own_totals = [SumVectors(self.n) for _ in self.devices]
         else:
             self.residuals = [jax.device_put(jnp.zeros(self.n, jnp.float32), d) for d in self.devices]
@@ -270,7 +279,9 @@ class _Replicas:
         totals, sent, ts, sparsities = encode(outs, active)
         idle = []
         for i, o in enumerate(outs):
-            if o is None:  # the sum of the others' messages still reaches this replica
+            if o is None and self.lag:  # applied at the round's end, as a worker whose share ended does
+                self.pending[i].extend(totals[i])
+            elif o is None:  # the sum of the others' messages still reaches this replica
                 self.states[i] = self.add_flat(self.states[i], totals[i])
                 idle.append(self.states[i])
             else:
@@ -304,28 +315,65 @@ class _Replicas:
             done = [self._encode_one(i, outs[i][0]) for i in active]
         sent = sum(int(enc.message.nbytes) for enc in done) * (len(self.devices) - 1)
         figures = (sent, [e.threshold for e in done], [e.sparsity for e in done])
+        encoded = dict(zip(active, done))
+        if self.lag:  # the peers' part: their messages of the step before
+            peers, self.prev = self.prev, encoded
+            return (self._own_sums(outs, encoded, peers), *figures)
         if self.own_whole:
-            return (self._own_sums(outs, dict(zip(active, done))), *figures)
+            return (self._own_sums(outs, encoded, encoded), *figures)
         total = self.totals.take()
         for enc in done:  # summed in replica order: the same bits as one thread
             if enc.message[0] != EMPTY:
                 decode_into(enc.message, total)
         return ([jax.device_put(total, d) for d in self.devices], *figures)
 
-    def _own_sums(self, outs, encoded):
-        """Each replica's sum of a step (host encoder, ``own_update="whole"``): its own whole
-        update (if it trained), then the others' messages in replica order, as a worker adds
-        them."""
+    def _own_sums(self, outs, encoded, peers):
+        """Each replica's sum of a step (host encoder, ``own_update="whole"`` or a
+        ``delivery_lag``): its own update (if it trained: whole, or its message), then the
+        others' messages of ``peers`` in replica order, as a worker adds them. Under a lag a
+        replica idle in the step gets the list of those messages, to apply at the round's end."""
         def one(i):
+            if self.lag and i not in encoded:
+                return [enc for j, enc in peers.items() if j != i]
             total = self.own_totals[i].take()
-            if i in encoded:
+            if i in encoded and self.own_whole:
                 add_dropped(add_pieces(total, outs[i][0]), encoded[i])
-            for j, enc in encoded.items():
+            elif i in encoded and encoded[i].message[0] != EMPTY:
+                decode_into(encoded[i].message, total)
+            for j, enc in peers.items():
                 if j != i and enc.message[0] != EMPTY:
                     decode_into(enc.message, total)
             return jax.device_put(total, self.devices[i])
 
         return list(self.pool.map(one, range(len(self.devices))))
+
+    def flush(self):
+        """A round's end under a ``delivery_lag``: each replica applies what it has not, its
+        peers' messages of the round's last step after those of the steps it was idle in, in
+        one sum (as a worker ends its round)."""
+        if not self.lag:
+            return
+        if self.encoder == "host":
+            for i, d in enumerate(self.devices):
+                held = self.pending[i] + [enc for j, enc in self.prev.items() if j != i]
+                if held:
+                    total = np.zeros(self.n, np.float32)
+                    for enc in held:
+                        if enc.message[0] != EMPTY:
+                            decode_into(enc.message, total)
+                    self.states[i] = self.add_flat(self.states[i], jax.device_put(total, d))
+        else:
+            last = [None] * len(self.devices)
+            if self.prev:
+                last = self.rt.exchange.sum_with_own([self.prev.get(i, z) for i, z in enumerate(self.zeros)], self.zeros)
+            for i in range(len(self.devices)):
+                held = self.pending[i] + ([last[i]] if self.prev else [])
+                if held:
+                    total = held[0]
+                    for x in held[1:]:
+                        total = total + x
+                    self.states[i] = self.add_flat(self.states[i], total)
+        self.prev, self.pending = {}, [[] for _ in self.devices]
 
     def _encode_xla(self, outs, active):
         moved, counts, ts = list(self.zeros), {}, {}
@@ -344,7 +392,12 @@ class _Replicas:
             self.residuals[i] = self._post(encoded, t, i)
             if self.own_whole and post_acts(self.post, self.steps[i]):  # what it dropped, dropped here too
                 own[i] = own[i] + (self.residuals[i] - encoded)
-        if self.own_whole:  # each replica's own update, then the others' messages, in XLA
+        if self.lag:  # its own update (whole, or its message), then the others' of the step before
+            before = [self.prev.get(i, z) for i, z in enumerate(self.zeros)]
+            self.prev = {i: moved[i] for i in active}
+            totals = self.rt.exchange.sum_with_own(before, own if self.own_whole else moved)
+            totals = [[x] if outs[i] is None else x for i, x in enumerate(totals)]  # idle: applied at the end
+        elif self.own_whole:  # each replica's own update, then the others' messages, in XLA
             totals = self.rt.exchange.sum_with_own(moved, own)
         else:
             totals = self.rt.exchange.sum(moved)  # over the devices, in XLA
@@ -418,6 +471,8 @@ class SharingDeviceRun:
                     row, t_round = _Row(n_dev), rt.clock()
                 t0 = rt.clock()
                 losses, examples, sent, ts, sp = reps.step(batches, on_bad)
+                if j == n_steps - 1:  # a lag's last messages, applied at the round's end
+                    reps.flush()
                 row.add(rt.clock() - t0, losses, examples, sent, 4 * reps.n * (n_dev - 1) * len(losses), ts, sp)
                 trained += len(losses)  # a skipped non-finite minibatch counts as done, not as trained
                 if j == n_steps - 1:

@@ -96,6 +96,16 @@ class GradientSharing(Algorithm):
         (1.11x the single process against 1.19x on unlimited links, 0.80x both at
         100 Mbit/s). A synchronous step waits for the slowest peer: where workers are
         uneven (shared cores, mixed hardware) asynchronous delivery is the faster.
+    delivery_lag : {0, 1}
+        Under synchronous delivery, how many steps late a replica applies its peers'
+        messages. ``0`` (the default): at the end of each step, those of the same step.
+        ``1``: those of the step before, so that a step's messages travel while the next
+        step computes, as Pipe-SGD pipelines its all-reduce: across links where a round trip
+        takes milliseconds a step no longer waits for one. A replica applies its own update
+        at once either way; the messages of a round's last step are applied at the round's
+        end, so every replica ends a round with the same messages applied. Deterministic,
+        and the same on a cluster and in a :class:`~dlspark.ParallelWrapper`. Only with
+        ``max_staleness=0`` (asynchronous delivery applies messages as they come).
     momentum_masking : bool
         Deep Gradient Compression's momentum-factor masking: after each step, the
         updater's momentum (the fields named in ``momentum_fields`` of its optax state
@@ -178,6 +188,7 @@ class GradientSharing(Algorithm):
     mesh: str = "plain"
     steps_per_round: int = 16
     max_staleness: int = 0
+    delivery_lag: int = 0
     tree_fanout: int = 4
     momentum_masking: bool = False
     momentum_fields: tuple = MOMENTUM_FIELDS
@@ -199,6 +210,14 @@ class GradientSharing(Algorithm):
         choice("final_params", self.final_params, FINAL_PARAMS)
         int_setting(self, "steps_per_round")
         int_setting(self, "max_staleness", minimum=0)
+        int_setting(self, "delivery_lag", minimum=0)
+        if self.delivery_lag > 1:
+            raise ValueError(f"delivery_lag must be 0 (peers' messages applied in their own step) or 1 (a step "
+                             f"late), got {self.delivery_lag}")
+        if self.delivery_lag and self.max_staleness:
+            raise ValueError(f"delivery_lag={self.delivery_lag} lags synchronous delivery; with max_staleness="
+                             f"{self.max_staleness} a replica applies its peers' messages as they come: set "
+                             "max_staleness=0 to use delivery_lag, or delivery_lag=0")
         int_setting(self, "tree_fanout")
         if self.workers_per_node is not None:
             int_setting(self, "workers_per_node")

@@ -389,8 +389,9 @@ class SharingState:
 
     def _wait_for_step(self, peers, done):
         """Synchronous delivery (``max_staleness=0``): block until every live peer's message of
-        this round's step ``done`` (0-based) is here, or the peer's share ended before it; returns
-        the seconds waited and ``{peer: its last step to apply now}``."""
+        this round's step ``done`` (0-based; -1, before the first, waits for none) is here, or
+        the peer's share ended before it; returns the seconds waited and ``{peer: its last step
+        to apply now}``."""
         upto = {p: start + min(done + 1, quota) for p, (start, quota) in peers.items()}
 
         def missing(p):
@@ -454,8 +455,9 @@ class SharingState:
         opts = replica_options(job.master, len(peers) + 1, state.opt_state, state.params)
         density = warmup_density(opts.warmup, int(state.epoch))  # a round is within one epoch
         sync = job.master.max_staleness == 0
+        lag = job.master.delivery_lag  # synchronous delivery: the peers' messages of the step this many before
         for done, (n_examples, batch) in enumerate(batches):
-            stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness)
+            stale_wait += self._wait_for_peers(peers, done, job.master.max_staleness + lag)
             rec.mark("wait_peers")
             pieces, opt, ms, rng, loss, finite = self.update(state, state.opt_state, batch, opts.clip)
             finite = bool(finite)
@@ -499,8 +501,8 @@ class SharingState:
             rec.mark("send")
             nbytes += message.nbytes * len(peers)
             upto = None
-            if sync:  # every peer's message of this step, and none of a later one
-                waited, upto = self._wait_for_step(peers, done)
+            if sync:  # every peer's message of this step (or of the one before), and none of a later one
+                waited, upto = self._wait_for_step(peers, done - lag)
                 stale_wait += waited
                 rec.mark("wait_peers")
             self._drain_into(total, upto=upto)
