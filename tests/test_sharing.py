@@ -542,6 +542,26 @@ def test_a_worker_back_at_an_address_numbers_its_messages_after_those_held_from_
     assert orders["b"].plan.peers["b"][0] == 3 and orders["a"].plan.peers["a"][0] == 2
 
 
+def _in_process(net, master, tr):
+    """Replicas' sharing states run in this process, their pushes delivered by hand:
+    ``state(address)`` makes one, ``batches(first, n)`` the minibatches of 16 it fits."""
+    from types import SimpleNamespace
+
+    from dlspark.algorithms.sharing._state import SharingState
+    from dlspark.stats._recorder import NULL
+
+    def state(addr):
+        job = SimpleNamespace(master=master, state=jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True),
+                                                                           net.state),
+                              spec=SimpleNamespace(algorithm_state={}), net=net, address=addr, stats=NULL)
+        return SharingState(job)
+
+    def batches(lo, n):
+        return [(16, tr[lo + 16 * i: lo + 16 * (i + 1)].jit_batch()) for i in range(n)]
+
+    return state, batches
+
+
 @pytest.mark.parametrize("own_update", ["whole", "encoded"])
 def test_a_late_push_from_a_lost_sender_is_applied_by_no_replica(make_net, digits, own_update):
     # A sender lost before the round's sync, one of whose pushes lands at one replica after that
@@ -552,11 +572,7 @@ def test_a_late_push_from_a_lost_sender_is_applied_by_no_replica(make_net, digit
     # the parameters they hold in common. The three workers' sharing
     # states run in this process, their pushes delivered by hand: the race cannot be timed on
     # a real cluster.
-    from types import SimpleNamespace
-
     from dlspark.algorithms.sharing._driver import sync_plan
-    from dlspark.algorithms.sharing._state import SharingState
-    from dlspark.stats._recorder import NULL
 
     tr, _ = digits
     net = make_net(MLP(hidden=32), updater=optax.adam(1e-2))
@@ -564,14 +580,7 @@ def test_a_late_push_from_a_lost_sender_is_applied_by_no_replica(make_net, digit
     master = GradientSharing(threshold_algorithm=FixedThreshold(1e-3), max_staleness=100, own_update=own_update,
                              residual_post_processor=ResidualClipping(1.5, 1)).for_workers(3)
 
-    def state(addr):
-        job = SimpleNamespace(master=master, state=jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True),
-                                                                           net.state),
-                              spec=SimpleNamespace(algorithm_state={}), net=net, address=addr, stats=NULL)
-        return SharingState(job)
-
-    def batches(lo, n):
-        return [(16, tr[lo + 16 * i: lo + 16 * (i + 1)].jit_batch()) for i in range(n)]
+    state, batches = _in_process(net, master, tr)
 
     a, b, c = (state(f"tcp://{x}:1") for x in "abc")
     peers = {s.job.address: (0, 2) for s in (a, b, c)}
@@ -621,27 +630,16 @@ def test_a_round_ends_on_each_replica_with_every_peers_messages_applied_and_need
     # never comes is waited for up to the stale timeout and left out of what A reports, which
     # the sync plan then fetches. The replicas' sharing states run in this process, their
     # pushes delivered by hand.
-    from types import SimpleNamespace
-
     import dask
 
     from dlspark.algorithms.sharing._driver import sync_plan
-    from dlspark.algorithms.sharing._state import SharingState
-    from dlspark.stats._recorder import NULL
 
     tr, _ = digits
     net = make_net(MLP(hidden=32), updater=optax.adam(1e-2))
     master = GradientSharing(threshold_algorithm=FixedThreshold(1e-3), max_staleness=100,
                              own_update="encoded").for_workers(2)
 
-    def state(addr):
-        job = SimpleNamespace(master=master, state=jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True),
-                                                                           net.state),
-                              spec=SimpleNamespace(algorithm_state={}), net=net, address=addr, stats=NULL)
-        return SharingState(job)
-
-    def batches(lo, n):
-        return [(16, tr[lo + 16 * i: lo + 16 * (i + 1)].jit_batch()) for i in range(n)]
+    state, batches = _in_process(net, master, tr)
 
     a, b = state("tcp://a:1"), state("tcp://b:1")
     peers = {"tcp://a:1": (0, 2), "tcp://b:1": (0, 3)}
