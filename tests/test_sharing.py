@@ -313,8 +313,9 @@ def test_fixed_threshold_sends_exactly_the_crossing_elements(client2, make_net, 
             assert d["bytes"] == 16 + 4 * round(d["sparsity"] * trainer.network.num_params)
 
 
-@pytest.mark.parametrize("own_update", ["encoded", "whole"])
-def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make_net, digits, tmp_path, own_update):
+@pytest.mark.parametrize("own_update, lag", [("encoded", 0), ("whole", 0), ("encoded", 1)])
+def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make_net, digits, tmp_path, own_update,
+                                                                     lag):
     tr, te = digits
     on_round, killed = kill_at_round(client2, 3)
     n_batches = len(dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16))
@@ -322,7 +323,9 @@ def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make
     # DL4J's own update (every replica applies the same messages): equal replicas show that the
     # lost and the restarted worker's messages were applied everywhere or nowhere; under the whole
     # own update the restarted worker joins from what the survivor holds in common with it
-    trainer = DistributedTrainer(client2, net, _master(steps_per_round=8, own_update=own_update), progress=False)
+    # (a lag: the messages of a step before, and of a round's last step at its end, the same way)
+    master = _master(steps_per_round=8, own_update=own_update, delivery_lag=lag)
+    trainer = DistributedTrainer(client2, net, master, progress=False)
     trainer.fit_paths(str(tmp_path / "mb"), epochs=10, loader=slow_loader(0.02), callbacks=[on_round])
     assert killed.is_set()
     per_epoch = {}
