@@ -121,7 +121,7 @@ class SharingRun(WorkerRun):
             await asyncio.wait({asyncio.ensure_future(self._open_channels(targets))}, timeout=1.0)
 
         def run():
-            s.forget(order.plan.synced)  # the rounds before, which every replica synced
+            s.forget(order.plan.synced, live=set(order.plan.peers))  # the rounds before, which every replica synced
             self.state = self.state.replace(epoch=jnp.asarray(order.epoch, jnp.int32))
             refs = list(order.refs)
             self.prefetch.expect(refs, list(order.next_refs))

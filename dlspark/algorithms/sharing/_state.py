@@ -400,17 +400,20 @@ class SharingState:
         return self._wait_until_caught_up(lambda: [p for p in peers if missing(p)]), upto
 
     # -- the step loop (compute thread) ------------------------------------------
-    def forget(self, synced: dict):
+    def forget(self, synced: dict, live=None):
         """Forget the messages every replica applied in the rounds before this one (``synced``:
         each sender's last such message, as the coordinator counted them), so that the
         bookkeeping stays the size of one round however long the job runs. Called as the next
-        order comes, so a peer's message of the new round that came first is kept."""
+        order comes, so a peer's message of the new round that came first is kept. With
+        ``live`` (a new round's workers), a sender's not among them go too: a late push from
+        a worker lost before the round, which no replica reported and none applies (a worker
+        back at its address numbers its messages after ``synced``, as the late push is)."""
         with self.lock:
             for sender, step in synced.items():
                 self.synced[sender] = max(self.synced.get(sender, 0), int(step))
 
             def later(key):
-                return key[1] > self.synced.get(key[0], 0)
+                return key[1] > self.synced.get(key[0], 0) and (live is None or key[0] in live)
 
             self.applied = {k for k in self.applied if later(k)}
             self.inbox = {k: v for k, v in self.inbox.items() if later(k)}
