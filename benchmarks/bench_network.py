@@ -681,6 +681,30 @@ class TrackNetwork:
             return measure(net, client, contender, rate, 16000, 2, 1)["over_plain"]["median"]
 
 
+class TrackNetworkLatency:
+    """asv: examples/s over the plain process on unlimited links with a one-way delay between the
+    hosts (root, iproute2 and iptables needed), for the contenders the delay parts."""
+
+    params = (["500us", "2500us"], ["sharing", "sharing-lag1", "averaging5", "averaging50-outer"])
+    param_names = ["delay", "contender"]
+    timeout = 1200
+    unit = "x plain"
+
+    def setup(self, delay, contender):
+        from dlspark.testing import latency_unavailable
+
+        if latency_unavailable():
+            raise NotImplementedError(latency_unavailable())  # asv skips
+
+    def track_over_plain(self, delay, contender):
+        from distributed import Client
+
+        from dlspark.testing import emulated_cluster
+
+        with emulated_cluster(2, delay=delay) as net, Client(net.scheduler_address, set_as_default=False) as client:
+            return measure(net, client, contender, "unlimited", 16000, 2, 1)["over_plain"]["median"]
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--plain":
         print(plain_jax(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
