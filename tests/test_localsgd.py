@@ -112,9 +112,11 @@ def test_a_short_round_steps_by_the_mean_and_skips_the_outer_step(make_net, digi
     gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
         jax.tree_util.tree_leaves(net.state.params), jax.tree_util.tree_leaves(every.params), strict=True))
     assert gap > 1e-4, gap
-    # an algorithm that keeps the default finish_short gets one compiled finish for both kinds
-    assert LocalSGD().short_rounds_differ
-    assert not type("Plain", (LocalSGD,), {"finish_short": ReplicaAlgorithm.finish_short})().short_rounds_differ
+    # an algorithm that keeps the default finish_short gets one compiled finish for both kinds,
+    # as LocalSGD does without an outer updater (every round steps by the mean)
+    assert LocalSGD(outer_updater=tx).short_rounds_differ and not LocalSGD().short_rounds_differ
+    plain = type("Plain", (LocalSGD,), {"finish_short": ReplicaAlgorithm.finish_short})
+    assert not plain(outer_updater=tx).short_rounds_differ
 
 
 @pytest.mark.slow

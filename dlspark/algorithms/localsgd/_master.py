@@ -75,6 +75,12 @@ class LocalSGD(ReplicaAlgorithm):
         updates, outer = self.outer_updater.update(_in_dtypes_of(start, mean), outer, start)
         return optax.apply_updates(start, updates), (error, outer)
 
+    @property
+    def short_rounds_differ(self) -> bool:
+        """Only with an outer updater: without one every round steps by the mean, and the
+        engine compiles one finish for both kinds."""
+        return self.outer_updater is not None and super().short_rounds_differ
+
     def finish_short(self, start, mean, carry):
         """A short round steps by the mean pseudo-gradient itself; the outer state stays as it
         was (the outer step is set for rounds of ``local_steps``)."""
