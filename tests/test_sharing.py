@@ -1,6 +1,7 @@
 """Gradient sharing end to end on a real LocalCluster (worker processes)."""
 
 
+import dataclasses
 import socket
 
 import jax
@@ -352,6 +353,12 @@ def test_tree_mesh_relays_messages_between_three_workers(make_net, digits):
         trainer = DistributedTrainer(client, net, master, progress=False)
         trainer.fit(tr, epochs=8)
         stats = trainer.last_fit_stats
+        # the same chain with the messages a step late: the ends' relayed messages too
+        lagged = DistributedTrainer(client, _net(make_net), dataclasses.replace(master, delivery_lag=1),
+                                    progress=False)
+        lagged.fit(tr, epochs=2)
+    assert sum(s["minibatches"] for s in lagged.last_fit_stats) == 2 * len(tr.batches(16))
+    assert lagged.replica_divergence < 1e-5 and any(s["relayed"] > 0 for s in lagged.last_fit_stats)
     full = [s for s in stats if s["workers"] == 3]
     assert full and all(s["relayed"] > 0 for s in full)  # the middle worker relayed the ends' messages
     # The relay delivers during the round; the end-of-round sync only fetches the few
