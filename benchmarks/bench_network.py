@@ -658,6 +658,21 @@ def main(argv=None):
     return result
 
 
+def _over_plain(contender, rate, delay=None):
+    """asv: one contender's median examples/s over the plain process on a fresh emulated cluster."""
+    from distributed import Client
+
+    from dlspark.testing import emulated_cluster
+
+    with emulated_cluster(2, delay=delay) as net, Client(net.scheduler_address, set_as_default=False) as client:
+        return measure(net, client, contender, rate, 16000, 2, 1)["over_plain"]["median"]
+
+
+def _skip_unless(reason):
+    if reason:
+        raise NotImplementedError(reason)  # asv skips
+
+
 class TrackNetwork:
     """asv: one contender's examples/s over the plain process at one link rate (root needed)."""
 
@@ -669,16 +684,10 @@ class TrackNetwork:
     def setup(self, rate, contender):
         from dlspark.testing import netns_unavailable
 
-        if netns_unavailable():
-            raise NotImplementedError(netns_unavailable())  # asv skips
+        _skip_unless(netns_unavailable())
 
     def track_over_plain(self, rate, contender):
-        from distributed import Client
-
-        from dlspark.testing import emulated_cluster
-
-        with emulated_cluster(2) as net, Client(net.scheduler_address, set_as_default=False) as client:
-            return measure(net, client, contender, rate, 16000, 2, 1)["over_plain"]["median"]
+        return _over_plain(contender, rate)
 
 
 class TrackNetworkLatency:
@@ -693,17 +702,10 @@ class TrackNetworkLatency:
     def setup(self, delay, contender):
         from dlspark.testing import latency_unavailable
 
-        if latency_unavailable():
-            raise NotImplementedError(latency_unavailable())  # asv skips
+        _skip_unless(latency_unavailable())
 
     def track_over_plain(self, delay, contender):
-        from distributed import Client
-
-        from dlspark.testing import emulated_cluster
-
-        with emulated_cluster(2, delay=delay) as net, Client(net.scheduler_address, set_as_default=False) as client:
-            return measure(net, client, contender, "unlimited", 16000, 2, 1)["over_plain"]["median"]
-
+        return _over_plain(contender, "unlimited", delay)
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--plain":
