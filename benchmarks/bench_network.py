@@ -491,8 +491,8 @@ def _delay_cpu(net):
 
     total = 0.0
     for h in net.hosts:
-        if h.delayer is not None:
-            t = psutil.Process(h.delayer.pid).cpu_times()
+        if h.name in net.delayers:
+            t = psutil.Process(net.delayers[h.name].pid).cpu_times()
             total += t.user + t.system
     return total
 
@@ -706,6 +706,7 @@ class TrackNetworkLatency:
 
     def track_over_plain(self, delay, contender):
         return _over_plain(contender, "unlimited", delay)
+
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--plain":

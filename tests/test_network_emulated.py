@@ -146,7 +146,7 @@ def test_teardown_leaves_nothing_also_when_the_body_raises():
             assert all("1Gbit" in shaped[d] for d in (net.client_link, net.client_port)), shaped
             left = leftovers(token)
             assert left["links"] and left["namespaces"] and len(left["rules"]) == 1, left  # the caller's queue
-            assert all(p.poll() is None for p in net._delayers.values()) and len(net._delayers) == 2
+            assert all(p.poll() is None for p in net.delayers.values()) and len(net.delayers) == 2
             raise RuntimeError("in the body")
     assert leftovers(token) == NOTHING
 
@@ -371,7 +371,7 @@ def test_a_delay_lengthens_every_round_trip_between_hosts(net):
              "host to client": (None, f"{net.subnet}.1", b.namespace)}
     try:
         net.set_delay("10ms")
-        assert all(h.delayer.pid not in pids for h, pids in zip(net.hosts, net.worker_pids().values()))
+        assert all(net.delayers[h.name].pid not in pids for h, pids in zip(net.hosts, net.worker_pids().values()))
         delayed = {k: _between("echo", *v) for k, v in pairs.items()}
     finally:
         net.set_delay(None)
@@ -379,7 +379,7 @@ def test_a_delay_lengthens_every_round_trip_between_hosts(net):
     # medians of 15: a busy machine's scheduling adds milliseconds, not the delay's tens
     assert all(0.020 <= t < 0.045 for t in delayed.values()), delayed
     assert all(t < 0.010 for t in undelayed.values()), undelayed
-    assert net.delay is None and all(h.delayer is None for h in net.hosts)
+    assert net.delay is None and all(h.name not in net.delayers for h in net.hosts)
 
 
 @pytest.mark.slow

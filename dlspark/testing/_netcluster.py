@@ -220,7 +220,6 @@ class Host:
     process: subprocess.Popen | None = None
     command: list = field(default_factory=list)  # how its dask worker is started
     address: str | None = None  # its Dask worker's address, once it registered
-    delayer: subprocess.Popen | None = None  # what holds its packets, under a delay
 
 
 @dataclass
@@ -254,7 +253,7 @@ class EmulatedCluster:
     _finalizer: object = None
     _procs: list = field(default_factory=list)
     _env: dict = field(default_factory=dict)
-    _delayers: dict = field(default_factory=dict)  # {host name or "client": what holds its packets}
+    delayers: dict = field(default_factory=dict)  # under a delay: {host name or "client": what holds its packets}
 
     # -- links ------------------------------------------------------------------------
     def _host(self, which) -> Host:
@@ -285,10 +284,10 @@ class EmulatedCluster:
         self._shape(self.client_link, self.client_rate)
 
     def _delay_sites(self):
-        """``(name, namespace, interface, queue, cpu, host)`` of each host that holds what it receives."""
+        """``(name, namespace, interface, queue, cpu)`` of each host that holds what it receives."""
         root_cpu = min(os.sched_getaffinity(0))
-        return [(h.name, h.namespace, "eth0", 0, h.core, h) for h in self.hosts] + \
-            [("client", None, self.client_link, _delay.root_queue(self.token), root_cpu, None)]
+        return [(h.name, h.namespace, "eth0", 0, h.core) for h in self.hosts] + \
+            [("client", None, self.client_link, _delay.root_queue(self.token), root_cpu)]
 
     def set_delay(self, delay=None, timeout: float = 30):
         """Delay every packet between two hosts by ``delay`` one way (seconds, or ``"2ms"``;
@@ -300,20 +299,15 @@ class EmulatedCluster:
         delay = parse_delay(delay)
         if delay is not None and latency_unavailable():
             raise RuntimeError(latency_unavailable())
-        for name, ns, iface, q, _, host in self._delay_sites():
-            proc = self._delayers.pop(name, None)
+        for name, ns, iface, q, _ in self._delay_sites():
+            proc = self.delayers.pop(name, None)
             if proc is not None:
                 _delay.stop(proc, ns, iface, q)
-            if host is not None:
-                host.delayer = None
         self.delay = delay
-        for name, ns, iface, q, cpu, host in self._delay_sites() if delay is not None else ():
+        for name, ns, iface, q, cpu in self._delay_sites() if delay is not None else ():
             log = os.path.join(self.workdir, f"{name}.delay.log")
-            proc = _delay.start(ns, iface, q, delay, cpu, env=self._env, log=log, cwd=self.workdir, timeout=timeout,
-                                procs=self._procs)
-            self._delayers[name] = proc
-            if host is not None:
-                host.delayer = proc
+            self.delayers[name] = _delay.start(ns, iface, q, delay, cpu, env=self._env, log=log, cwd=self.workdir,
+                                               timeout=timeout, procs=self._procs)
 
     def cut(self, which):
         """Cut a worker's link (the cable pulled: its packets are dropped, its connections stay open)."""
@@ -374,8 +368,9 @@ class EmulatedCluster:
     def worker_pids(self) -> dict:
         """``{host name: [pids in its namespace]}`` (the nanny and its worker process; not the
         process that makes its delay)."""
+        held = {proc.pid for proc in self.delayers.values()}
         return {h.name: [int(p) for p in _run("ip", "netns", "pids", h.namespace, check=False).stdout.split()
-                         if h.delayer is None or int(p) != h.delayer.pid]
+                         if int(p) not in held]
                 for h in self.hosts}
 
     def _spawn(self, h: Host):
