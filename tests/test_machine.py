@@ -19,10 +19,10 @@ from dlspark.algorithms.sharing._driver import sync_plan
 from dlspark.algorithms.sharing._messages import HaveOrder, HaveReply, ShareWith, SyncOrder, SyncReply
 from dlspark.distributed._machine import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish,
                                           GraceOver, InvalidState, Join, Joined, JoinFailed, JobMachine, Probe, Probed,
-                                          Replied, Send, Settings, Start, StateMachineEvent, Timer, WorkerJoined,
+                                          Replied, Send, Settings, Start, StateMachineEvent, Tell, Timer, WorkerJoined,
                                           WorkerLost)
 from dlspark.distributed._messages import (Ack, CheckpointOrder, ErrorReply, FitOrder, FitReply, JobOptions,
-                                           RngOrder, RngReply)
+                                           PeerLost, RngOrder, RngReply)
 
 
 # -- the player -------------------------------------------------------------------------
@@ -159,6 +159,11 @@ def sends(out, kind=None):
     return [i for i in out if isinstance(i, Send) and (kind is None or isinstance(i.order, kind))]
 
 
+def untold(out):
+    """The instructions but the notices that a peer was lost (:class:`Tell`)."""
+    return [i for i in out if not isinstance(i, Tell)]
+
+
 def emits(out, event):
     return [i.msg for i in out if isinstance(i, Emit) and i.msg["event"] == event]
 
@@ -181,7 +186,9 @@ def test_a_worker_lost_mid_round_has_its_minibatches_requeued(algorithm):
     p = Player(algorithm, n=12, epochs=2)
     p.start()
     p.answer(p.order("a"))
-    p.lose("b")  # its fit of minibatches 2, 3 is in flight
+    # its fit of minibatches 2, 3 is in flight: the others are told at once (one way), so that
+    # none waits out a timeout for its part (a's fit is answered: it may be waiting in its mean)
+    assert p.lose("b") == [Tell("a", PeerLost("b")), Tell("c", PeerLost("b"))]
     out = p.answer(p.order("c"))
     assert {s.worker for s in sends(out)} == {"a", "c"}
     if algorithm == "averaging":  # averaged again over the survivors
@@ -267,8 +274,8 @@ def test_every_contributor_lost_the_idle_worker_averages_over_nobody_and_the_rou
         "b": FitOrder(round=1, epoch=0, refs=(1,), next_refs=(1,), plan=AverageWith(("a", "b"), full=False)),
         "c": AverageOrder(1, ("a", "b"), 0, full=False),  # c has no data this round: it only averages
     }
-    assert p.lose("a") == []
-    assert p.lose("b") == []
+    assert untold(p.lose("a")) == []
+    assert untold(p.lose("b")) == []
     out = p.answer(p.order("c"), AverageReply(unreachable=("a",), ok=False, contributors=("a", "b")))
     assert out == [Send("c", out[0].seq, AverageOrder(1, (), 1, full=False))]  # back to its state before the round
     out = p.answer(p.order("c"))
@@ -291,7 +298,7 @@ def test_a_contributor_lost_while_averaging_is_averaged_again_over_the_survivors
         out = p.answer(p.order(w))
     assert sorted((s.worker, s.order) for s in sends(out)) == [(w, AverageOrder(1, ("a", "b", "c"), 1)) for w in "abc"]
     p.answer(p.order("a"))
-    assert p.lose("c") == []  # lost with its AverageOrder in flight
+    assert untold(p.lose("c")) == []  # lost with its AverageOrder in flight
     out = p.answer(p.order("b"), AverageReply(unreachable=("c",), ok=False, contributors=("a", "b", "c")))
     assert sorted((s.worker, s.order) for s in sends(out)) == [(w, AverageOrder(1, ("a", "b"), 2)) for w in "ab"]
     out = p.answer_all()
@@ -314,7 +321,7 @@ def test_a_contributor_lost_after_its_answer_still_counts_as_a_new_attempt():
     assert p.order("d").order == AverageOrder(1, ("a", "b", "c"), 0, full=False)  # one minibatch each: not full
     for w in "abc":
         assert p.answer(p.order(w)) == []
-    assert p.lose("c") == []
+    assert untold(p.lose("c")) == []
     out = p.answer(p.order("d"), AverageReply(unreachable=("c",), ok=False, contributors=("a", "b", "c")))
     assert {s.order.contributors for s in sends(out)} == {("a", "b")}
     assert {s.order.attempt for s in sends(out)} == {1}
@@ -590,7 +597,8 @@ def test_a_workers_error_fails_the_job_with_its_envelope():
 def test_every_worker_lost_fails_the_job():
     p = Player("averaging")
     p.start()
-    assert p.lose("a") == [] and p.lose("b") == []
+    assert p.lose("a") == [Tell("b", PeerLost("a")), Tell("c", PeerLost("a"))]
+    assert p.lose("b") == [Tell("c", PeerLost("b"))]
     (fail,) = p.lose("c")
     assert isinstance(fail, Fail) and "every worker was lost" in fail.error.text
 

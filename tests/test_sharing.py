@@ -314,6 +314,18 @@ def test_fixed_threshold_sends_exactly_the_crossing_elements(client2, make_net, 
             assert d["bytes"] == 16 + 4 * round(d["sparsity"] * trainer.network.num_params)
 
 
+LONG_STALE = 40.0  # seconds
+
+
+def _set_config(settings):
+    """On a worker: set ``settings`` (dask config); returns the values they replace."""
+    import dask
+
+    before = {k: dask.config.get(k) for k in settings}
+    dask.config.set(settings)
+    return before
+
+
 @pytest.mark.parametrize("own_update, lag", [("encoded", 0), ("whole", 0), ("encoded", 1)])
 def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make_net, digits, tmp_path, own_update,
                                                                      lag):
@@ -327,8 +339,18 @@ def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make
     # (a lag: the messages of a step before, and of a round's last step at its end, the same way)
     master = _master(steps_per_round=8, own_update=own_update, delivery_lag=lag)
     trainer = DistributedTrainer(client2, net, master, progress=False)
-    trainer.fit_paths(str(tmp_path / "mb"), epochs=10, loader=slow_loader(0.02), callbacks=[on_round])
+    # The survivor is told its peer was lost: it must not wait out the stale timeout, made long
+    # here on the workers (the restarted worker starts with the default again)
+    before = client2.run(_set_config, {"dlspark.sharing.stale-timeout": f"{LONG_STALE}s"})
+    try:
+        trainer.fit_paths(str(tmp_path / "mb"), epochs=10, loader=slow_loader(0.02), callbacks=[on_round])
+    finally:
+        present = client2.scheduler_info()["workers"]
+        for worker, values in before.items():
+            if worker in present:  # not the killed one
+                client2.run(_set_config, values, workers=[worker])
     assert killed.is_set()
+    assert max(s["round_time"] for s in trainer.last_fit_stats) < LONG_STALE / 2, trainer.last_fit_stats
     per_epoch = {}
     for s in trainer.last_fit_stats:
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]

@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from ._messages import ErrorReply, JobResult, Order, Reply
+from ._messages import ErrorReply, JobResult, Order, PeerLost, Reply
 
 __all__ = ["StateMachineEvent", "Start", "Replied", "Failed", "WorkerLost", "WorkerJoined", "Joined", "JoinFailed",
            "Probed", "ClientLost", "ClientBack", "GraceOver", "Cancel",
-           "Send", "Probe", "Join", "Emit", "Timer", "Finish", "Fail", "Abandon"]
+           "Send", "Tell", "Probe", "Join", "Emit", "Timer", "Finish", "Fail", "Abandon"]
 
 
 # -- events ---------------------------------------------------------------------
@@ -129,6 +129,15 @@ class Send:
     worker: str
     seq: int
     order: Order
+
+
+@dataclass(frozen=True)
+class Tell:
+    """Send ``notice`` to ``worker`` one way: no answer is awaited, and one that cannot be
+    delivered is no fault (a worker that is gone is lost by its own event)."""
+
+    worker: str
+    notice: PeerLost
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@
 checkpoints and the client's grace period. It does no I/O and reads no clock:
 the scheduler plugin feeds it events (a worker's reply, a lost worker, a probe's
 outcome, ``now``) and carries out the instructions it returns (send an order,
-probe a peer, admit a joiner, emit statistics, finish, fail). Its fault rules
+tell the workers a peer was lost, probe a peer, admit a joiner, emit statistics,
+finish, fail). Its fault rules
 are tested by feeding event sequences, in milliseconds, without a cluster.
 
 What is specific to one algorithm (which orders a round sends, what a round's
@@ -16,7 +17,8 @@ The rules
 ---------
 - A worker lost mid-round (its connection failed, or the scheduler removed it)
   leaves the job: its minibatches of the round go back to the queue, so every
-  minibatch is trained once per epoch.
+  minibatch is trained once per epoch. The job's other workers are told at once
+  (one way), so that none waits out a timeout for what the lost one would have sent.
 - A reply that names an unreachable peer makes the machine probe that peer: it
   is dropped if the machine cannot reach it either; otherwise the failure passed
   and the driver re-drives the round over the same workers, with the next attempt
@@ -45,9 +47,9 @@ from dataclasses import dataclass, field
 from ..errors import JobFailedError
 from ..stats._record import RoundStats, iteration_rows
 from ._events import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish, GraceOver, Join, Joined,
-                      JoinFailed, Probe, Probed, Replied, Send, Start, StateMachineEvent, Timer, WorkerJoined,
+                      JoinFailed, Probe, Probed, Replied, Send, Start, StateMachineEvent, Tell, Timer, WorkerJoined,
                       WorkerLost)
-from ._messages import CheckpointOrder, ErrorReply, FitReply, JobOptions, JobResult, RngOrder
+from ._messages import CheckpointOrder, ErrorReply, FitReply, JobOptions, JobResult, PeerLost, RngOrder
 from ._plan import Coordinator, RoundPlan
 
 __all__ = ["JobMachine", "RoundDone", "Settings", "InvalidState",
@@ -55,7 +57,7 @@ __all__ = ["JobMachine", "RoundDone", "Settings", "InvalidState",
            "StateMachineEvent", "Start", "Replied", "Failed", "WorkerLost", "WorkerJoined", "Joined", "JoinFailed", "Probed",
            "ClientLost", "ClientBack", "GraceOver", "Cancel",
            # instructions
-           "Send", "Probe", "Join", "Emit", "Timer", "Finish", "Fail", "Abandon"]
+           "Send", "Tell", "Probe", "Join", "Emit", "Timer", "Finish", "Fail", "Abandon"]
 
 
 class InvalidState(AssertionError):
@@ -211,6 +213,8 @@ class JobMachine:
             return []
         self.live.discard(w)
         out = []
+        if self.batch is not None and self.batch.phase == "round":  # a worker waiting for its part stops
+            out += [Tell(v, PeerLost(w)) for v in sorted(self.live)]
         if w in self.probing:
             out += self._on_Probed(Probed(w, False))
         b = self.batch

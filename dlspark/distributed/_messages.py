@@ -17,7 +17,7 @@ from typing import ClassVar
 import cloudpickle
 
 __all__ = ["JobSpec", "JobOptions", "Order", "Reply", "FitOrder", "FitReply", "RngOrder", "RngReply",
-           "CheckpointOrder", "Ack", "ErrorReply", "JobResult", "Unavailable"]
+           "CheckpointOrder", "Ack", "ErrorReply", "JobResult", "Unavailable", "PeerLost"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,16 @@ class Order:
     """An instruction from the job's coordinator to one worker; ``op`` names the handler."""
 
     op: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """The coordinator's word to a job's workers, one way (nothing is answered), that ``peer``
+    was lost mid-round: a run waiting for what the peer would have sent stops waiting
+    (:meth:`~dlspark.distributed._run.WorkerRun.notice`)."""
+
+    peer: str
+    kind: ClassVar[str] = "peer_lost"
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,9 @@ def check_minibatch(net, ds, name: str) -> None:
 class WorkerRun:
     """One job's state on one worker.
 
-    Subclasses define ``order_<op>(order)`` coroutines for their orders and
-    ``peer_<op>(**kw)`` coroutines for requests from peers.
+    Subclasses define ``order_<op>(order)`` coroutines for their orders,
+    ``peer_<op>(**kw)`` coroutines for requests from peers and, where a notice
+    matters to them, ``notice_<kind>(notice)`` methods (called on the event loop).
     """
 
     def __init__(self, worker, job: str, spec, state: dict, rank: int):
@@ -118,6 +119,13 @@ class WorkerRun:
                                                f"{order.epoch + 1}, worker {self.address})") from None
         finally:
             self.stats.end_order()
+
+    def notice(self, notice):
+        """The coordinator's one-way word (a :class:`~dlspark.distributed._messages.PeerLost`):
+        handled by ``notice_<kind>`` where the run defines one, else of no concern to it."""
+        handler = getattr(self, f"notice_{notice.kind}", None)
+        if handler is not None:
+            handler(notice)
 
     async def peer(self, op: str, **kw):
         handler = getattr(self, f"peer_{op}", None)

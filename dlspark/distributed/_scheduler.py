@@ -23,7 +23,7 @@ from distributed.protocol.serialize import Serialized, deserialize
 
 from .. import config
 from ._machine import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish, Join, JobMachine,
-                       JoinFailed, Joined, Probe, Probed, Replied, Send, Settings, Start, Timer, WorkerJoined,
+                       JoinFailed, Joined, Probe, Probed, Replied, Send, Settings, Start, Tell, Timer, WorkerJoined,
                        WorkerLost)
 from ._messages import ErrorReply, JobOptions, RngOrder
 from ..stats._collect import gather_job, measure_workers
@@ -111,6 +111,16 @@ class _JobShell:
         if "error" in resp:
             return self.feed(Failed(i.worker, i.seq, _unwrap(resp["error"])))
         self.feed(Replied(i.worker, i.seq, _unwrap(resp["reply"])))
+
+    @_carry_out.register
+    def _do_Tell(self, i: Tell):
+        self._spawn(self._tell(i))
+
+    async def _tell(self, i: Tell):
+        try:
+            await self.scheduler.rpc(i.worker).dlspark_notice(job=self.job, notice=to_serialize(i.notice))
+        except Exception as e:  # a worker gone meanwhile is lost by its own event
+            logger.debug("dlspark job %s: could not tell %s %s: %s", self.job, i.worker, i.notice, e)
 
     @_carry_out.register
     def _do_Probe(self, i: Probe):

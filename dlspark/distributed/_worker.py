@@ -2,7 +2,8 @@
 
 Each job is an algorithm's run object (see :mod:`dlspark.distributed._run`),
 created by the job's master. The plugin holds no algorithm-specific code: the
-coordinator's orders go to ``run.handle``, peers' requests to ``run.peer``.
+coordinator's orders go to ``run.handle``, its notices to ``run.notice``, peers'
+requests to ``run.peer``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DlsparkWorkerPlugin", "pin_process"]
 
-_HANDLERS = ("setup", "join", "order", "peer", "state", "keep", "teardown", "clock", "events", "divergence")
+_HANDLERS = ("setup", "join", "order", "notice", "peer", "state", "keep", "teardown", "clock", "events", "divergence")
 
 
 def pin_process(cores) -> None:
@@ -180,6 +181,13 @@ class DlsparkWorkerPlugin(WorkerPlugin):
     async def _order(self, job: str, order):
         """An order of the job's coordinator, answered by the job's run."""
         return {"reply": to_serialize(await self._job(job).handle(order))}
+
+    async def _notice(self, job: str, notice):
+        """A one-way word of the job's coordinator (a peer was lost), for the job's run."""
+        run = self.jobs.get(job)
+        if run is not None:
+            run.notice(notice)
+        return {}
 
     async def _peer(self, job: str, request: str, **kw):
         """A peer's request (a contribution, a share, a message), answered by the job's run."""

@@ -60,8 +60,10 @@ class SharingRun(WorkerRun):
 
     def _send(self, sender, step, message, targets):
         """Send ``message`` to ``targets`` from any thread: on the job's channel where a peer has a
-        working connection, through Dask (the event loop's :meth:`_push`) where not."""
-        rest = targets
+        working connection, through Dask (the event loop's :meth:`_push`) where not; none to a
+        peer the coordinator said was lost."""
+        lost = self.sharing.lost
+        rest = targets = [p for p in targets if p not in lost] if lost else targets
         if self.channel is not None:
             t0 = self.stats.now()
             payload = memoryview(np.ascontiguousarray(message, np.int32)).cast("B")
@@ -167,6 +169,9 @@ class SharingRun(WorkerRun):
         s = self.sharing
         return SyncReply(unreachable=tuple(unreachable), threshold=float(s.tstate.threshold), step=s.step,
                          threshold_state=tuple(s.tstate))
+
+    def notice_peer_lost(self, notice):
+        self.sharing.peer_lost(notice.peer)
 
     # -- requests from peers ----------------------------------------------------------
     def _delivered(self, sender: str, via: str | None, step: int, message) -> None:

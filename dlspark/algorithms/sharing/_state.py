@@ -298,7 +298,8 @@ class SharingState:
         self.applied: set = set()  # (sender, step) applied to this replica, since the last sync
         self.synced: dict = {}  # sender -> every step up to this one was applied by every replica
         self.progress: dict = {}  # sender -> highest step seen
-        self.gone: set = set()
+        self.gone: set = set()  # peers not waited for until the next order: lost, or late past the stale timeout
+        self.lost: set = set()  # peers the coordinator said were lost (PeerLost), until a round names them again
         self.store: dict = {}  # (sender, step) -> message: everything seen this round, to serve peers that missed one
         self.reported = None  # the store's keys when this round's holdings were last reported (have)
         self.links = None  # tree mesh: this round's neighbours
@@ -419,7 +420,18 @@ class SharingState:
             self.inbox = {k: v for k, v in self.inbox.items() if later(k)}
             self.store = {k: v for k, v in self.store.items() if later(k)}
             self.reported = None
-        self.gone = set()
+            if live is not None:  # a worker back at a lost one's address is waited for again
+                self.lost -= live
+            self.gone = set(self.lost)
+
+    def peer_lost(self, peer):
+        """The coordinator says ``peer`` was lost (any thread): a step or a round's end waiting
+        for its messages stops waiting at once, as it would at the stale timeout (what it sent
+        and what it did not are the round's sync's, as then)."""
+        with self.lock:
+            self.lost.add(peer)
+            self.gone.add(peer)
+            self.lock.notify_all()
 
     def finish_round(self, peers) -> dict:
         """This replica's end of a round (``peers`` as :meth:`fit` takes them): wait, as a step
