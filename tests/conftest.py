@@ -312,6 +312,7 @@ def kill_at_round(client, round_no):
     import signal
     import threading
 
+    client.wait_for_workers(2, timeout=120)  # a worker an earlier test killed may still be restarting
     pids = client.run(os.getpid)
     victim = sorted(pids)[1]
     killed = threading.Event()

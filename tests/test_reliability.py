@@ -499,6 +499,7 @@ def _fit_through_a_kill(client, make_net, tr, epochs, **options):
     trainer = DistributedTrainer(client, make_net(), master, progress=False)
     trainer.fit(tr[:640], epochs=epochs, callbacks=[on_round])
     assert killed.is_set()
+    client.wait_for_workers(2, timeout=120)  # the killed worker is back for the tests after
     per_epoch = {}
     for s in trainer.last_fit_stats:
         per_epoch[s["epoch"]] = per_epoch.get(s["epoch"], 0) + s["minibatches"]
