@@ -406,10 +406,11 @@ def test_a_fit_across_a_delay_waits_for_it_and_trains_every_minibatch_once(net, 
     assert trainer.replica_divergence <= (0.0 if algorithm == "averaging" else 1e-5)
 
 
-# Last in the module: Dask drops the worker, and a test after it would first wait for it to be
-# restarted (about 30 s).
+# Last in the module: Dask drops the worker, and a test after it first waits for it to be
+# restarted (about 30 s; the second of these two does).
 @pytest.mark.slow
-def test_a_cut_longer_than_dask_keeps_the_worker_finishes_on_the_survivor(net, make_net, digits, tmp_path):
+@pytest.mark.parametrize("algorithm", ["averaging", "sharing"])
+def test_a_cut_longer_than_dask_keeps_the_worker_finishes_on_the_survivor(net, make_net, digits, tmp_path, algorithm):
     net, client = net
     urls = _urls(digits, tmp_path)
     healed = threading.Event()
@@ -421,7 +422,7 @@ def test_a_cut_longer_than_dask_keeps_the_worker_finishes_on_the_survivor(net, m
         healed.set()
 
     on_round, started = _fault_at_round(3, fault)
-    trainer = DistributedTrainer(client, make_net(), _master("averaging"), progress=False)
+    trainer = DistributedTrainer(client, make_net(), _master(algorithm), progress=False)
     t0 = time.monotonic()
     trainer.fit_paths(urls, epochs=2, loader=slow_loader(0.02), callbacks=[on_round])
     assert started.is_set()
