@@ -143,6 +143,12 @@ def test_tree_links_form_a_tree_with_bounded_fanout():
                     q.append((nb, node))
         assert seen == set(ws)
     assert tree_links(["a"], 3) == {"a": []}
+    # a relay lost: who a worker no longer reaches (it waits no more for their messages that round)
+    from dlspark.algorithms.sharing._run import _cut_off
+
+    seven = tree_links(list("abcdefg"), 2)  # a: b, c; b: d, e; c: f, g
+    assert _cut_off(seven, "a", "b") == {"d", "e"} and _cut_off(seven, "d", "b") == {"a", "c", "e", "f", "g"}
+    assert _cut_off(seven, "a", "d") == set() and _cut_off(None, "a", "b") == set()
 
 
 @pytest.mark.parametrize("repartition", ["always", "never", "num_partitions_workers_differs"])

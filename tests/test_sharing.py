@@ -363,11 +363,12 @@ def test_killed_worker_and_rejoining_worker_leave_training_correct(client2, make
     client2.wait_for_workers(2, timeout=60)
 
 
-def test_tree_mesh_relays_messages_between_three_workers(make_net, digits):
+def test_tree_mesh_relays_messages_between_three_workers(make_net, digits, tmp_path):
     from dlspark.cluster import local_cluster
     from distributed import Client
 
     tr, te = digits
+    urls = dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16)
     with local_cluster(3) as cluster, Client(cluster) as client:
         net = _net(make_net)
         # a chain: a - b - c; equal replicas (own_update="encoded") show every relayed message applied
@@ -379,6 +380,16 @@ def test_tree_mesh_relays_messages_between_three_workers(make_net, digits):
         lagged = DistributedTrainer(client, _net(make_net), dataclasses.replace(master, delivery_lag=1),
                                     progress=False)
         lagged.fit(tr, epochs=2)
+        # the chain's middle worker killed: each end, whose messages reached the other only through
+        # it, is told, and waits no more for the other's (the stale timeout made long here)
+        client.run(_set_config, {"dlspark.sharing.stale-timeout": f"{LONG_STALE}s"})
+        on_round, killed = kill_at_round(client, 2)  # the middle of the sorted addresses
+        cut = DistributedTrainer(client, _net(make_net), dataclasses.replace(master, steps_per_round=8),
+                                 progress=False)
+        cut.fit_paths(urls, epochs=2, loader=slow_loader(0.02), callbacks=[on_round])
+        assert killed.is_set()
+    assert max(s["round_time"] for s in cut.last_fit_stats) < LONG_STALE / 2, cut.last_fit_stats
+    assert sum(s["minibatches"] for s in cut.last_fit_stats) == 2 * len(urls) and cut.replica_divergence < 1e-5
     assert sum(s["minibatches"] for s in lagged.last_fit_stats) == 2 * len(tr.batches(16))
     assert lagged.replica_divergence < 1e-5 and any(s["relayed"] > 0 for s in lagged.last_fit_stats)
     full = [s for s in stats if s["workers"] == 3]

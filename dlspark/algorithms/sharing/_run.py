@@ -17,6 +17,7 @@ from ...distributed._peers import call_peer
 from ...distributed._run import WorkerRun
 from ._messages import HaveReply, Messages, SyncReply
 from ._state import SharingState
+from ._topology import tree_links
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,18 @@ __all__ = ["SharingRun"]
 CONNECT_WAIT = 0.25
 
 
+def _cut_off(tree, me, lost) -> set:
+    """The workers of this round's relay ``tree`` (``{worker: neighbours}``; None: a plain mesh)
+    that ``me`` no longer reaches once ``lost`` is gone."""
+    if not tree or me not in tree or lost not in tree:
+        return set()
+    reached, frontier = {me, lost}, [me]
+    while frontier:
+        frontier = [n for w in frontier for n in tree[w] if n not in reached]
+        reached.update(frontier)
+    return set(tree) - reached
+
+
 class SharingRun(WorkerRun):
     def __init__(self, worker, job, spec, state, rank):
         super().__init__(worker, job, spec, state, rank)
@@ -35,6 +48,7 @@ class SharingRun(WorkerRun):
         # peers' messages on connections of the job's own where the cluster's comms are plain TCP
         host = channel_host(self.address) if config.get("sharing.direct-messages") else None
         self.channel = None
+        self._tree = None  # a tree mesh's relay tree this round (None: a plain mesh)
         self._told = (0, 0)  # the counts of direct and relayed messages the last fit reply covered
         if host is not None:
             try:
@@ -114,6 +128,8 @@ class SharingRun(WorkerRun):
         links = order.plan.links
         # plain mesh: straight to every peer; tree mesh: to tree neighbours, who relay
         s.links = None if links is None else [p for p in links if p != me]
+        self._tree = None if links is None else tree_links(  # the driver's: over the round's workers with data
+            [w for w, (_, quota) in order.plan.peers.items() if quota], self.master.tree_fanout)
         targets = list(peers) if links is None else s.links
 
         def send(step, message):
@@ -171,7 +187,9 @@ class SharingRun(WorkerRun):
                          threshold_state=tuple(s.tstate))
 
     def notice_peer_lost(self, notice):
-        self.sharing.peer_lost(notice.peer)
+        """A peer was lost: wait no more for its messages, nor, on a tree mesh, for those of the
+        peers whose messages came through it (the round's sync fetches them)."""
+        self.sharing.peer_lost(notice.peer, cut_off=_cut_off(self._tree, self.address, notice.peer))
 
     # -- requests from peers ----------------------------------------------------------
     def _delivered(self, sender: str, via: str | None, step: int, message) -> None:

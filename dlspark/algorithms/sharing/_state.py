@@ -424,13 +424,16 @@ class SharingState:
                 self.lost -= live
             self.gone = set(self.lost)
 
-    def peer_lost(self, peer):
+    def peer_lost(self, peer, cut_off=()):
         """The coordinator says ``peer`` was lost (any thread): a step or a round's end waiting
         for its messages stops waiting at once, as it would at the stale timeout (what it sent
-        and what it did not are the round's sync's, as then)."""
+        and what it did not are the round's sync's, as then); so it does for the live peers
+        in ``cut_off``, whose messages came only through the lost one (a tree mesh's relay),
+        for the rest of the round."""
         with self.lock:
             self.lost.add(peer)
             self.gone.add(peer)
+            self.gone.update(cut_off)
             self.lock.notify_all()
 
     def finish_round(self, peers) -> dict:
