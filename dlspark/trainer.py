@@ -73,6 +73,12 @@ class DistributedTrainer:
         ``export_json(url)`` and ``export_html(url)``.
     last_fit_stats : list of dict
         The last fit's round statistics.
+    last_fit_events : list of dict
+        What happened to the last fit's workers, in order: each ``{"event": "lost" |
+        "joined" | "join-failed" | "partitioned", "worker": address, "round": the latest
+        round begun, "workers": how many train on}`` (a failed join has its ``error``, a
+        dropped worker the peers that could not reach it, ``unreachable_from``). Each is
+        also logged as it happens (``dlspark.distributed._client``; a warning but for a join).
     algorithm_state : dict
         What the algorithm carries from fit to fit and saves in checkpoints;
         its entries read as attributes too (gradient sharing's ``threshold_state``,
@@ -126,6 +132,7 @@ class DistributedTrainer:
         self.loss_history: list = []
         self.training_stats = TrainingStats()
         self.last_fit_stats: list = []
+        self.last_fit_events: list = []
         self.algorithm_state: dict = {}
         self.published: dict = {}
         # {worker: (job, digests)} of the states the workers kept from the last fit: the next

@@ -160,8 +160,9 @@ def sends(out, kind=None):
 
 
 def untold(out):
-    """The instructions but the notices that a peer was lost (:class:`Tell`)."""
-    return [i for i in out if not isinstance(i, Tell)]
+    """The instructions but the word that a worker was lost: the notices to the others
+    (:class:`Tell`) and the client's event."""
+    return [i for i in out if not isinstance(i, Tell) and not (isinstance(i, Emit) and i.msg["event"] == "lost")]
 
 
 def emits(out, event):
@@ -188,7 +189,8 @@ def test_a_worker_lost_mid_round_has_its_minibatches_requeued(algorithm):
     p.answer(p.order("a"))
     # its fit of minibatches 2, 3 is in flight: the others are told at once (one way), so that
     # none waits out a timeout for its part (a's fit is answered: it may be waiting in its mean)
-    assert p.lose("b") == [Tell("a", PeerLost("b")), Tell("c", PeerLost("b"))]
+    lost = {"event": "lost", "worker": "b", "workers": 2, "round": 1}  # and the client is told
+    assert p.lose("b") == [Emit(lost), Tell("a", PeerLost("b")), Tell("c", PeerLost("b"))]
     out = p.answer(p.order("c"))
     assert {s.worker for s in sends(out)} == {"a", "c"}
     if algorithm == "averaging":  # averaged again over the survivors
@@ -202,6 +204,7 @@ def test_a_worker_lost_mid_round_has_its_minibatches_requeued(algorithm):
     assert isinstance(end, Finish) and end.result.trained == 2 * 12 and end.result.workers == ("a", "c")
     p.assert_each_minibatch_once_per_epoch(2)
     assert len(p.sent_to("b")) == 1  # only its first fit
+    assert end.result.events == (lost,)  # the client's last_fit_events
 
 
 def test_a_sharing_round_whose_replicas_hold_every_message_ends_with_the_fit_replies():
@@ -376,7 +379,7 @@ def test_two_live_workers_that_cannot_reach_each_other_twice_in_a_round_lose_one
     p.probed("a", True)
     out = p.probed("b", True)  # twice: a partition between them; the later address leaves the job
     assert [i.msg for i in out if isinstance(i, Emit)] == [{"event": "partitioned", "worker": "b",
-                                                            "unreachable_from": ["a"]}]
+                                                            "unreachable_from": ["a"], "workers": 2, "round": 1}]
     assert sorted((s.worker, s.order) for s in sends(out)) == [(w, AverageOrder(1, ("a", "c"), 2)) for w in "ac"]
     end = p.play()
     assert isinstance(end, Finish) and end.result.workers == ("a", "c") and end.result.trained == 6
@@ -420,10 +423,11 @@ def test_a_worker_arriving_mid_round_joins_at_the_next_round():
     assert emits(out, "round") and not sends(out)
     assert out[-1] == Join("j", "a", 2)
     out = p.feed(Joined("j"))
-    assert emits(out, "joined") == [{"event": "joined", "worker": "j"}]
+    assert emits(out, "joined") == [{"event": "joined", "worker": "j", "workers": 3, "round": 1}]
     assert {s.worker: s.order.refs for s in sends(out, FitOrder)} == {"a": (4, 5), "b": (6, 7), "j": (8, 9)}
     end = p.play()
     assert isinstance(end, Finish) and end.result.workers == ("a", "b", "j") and end.result.trained == 12
+    assert [e["event"] for e in end.result.events] == ["joined"]
     p.assert_each_minibatch_once_per_epoch(1)
 
 
@@ -439,7 +443,8 @@ def test_a_join_that_keeps_failing_is_retried_then_given_up():
         assert isinstance(retry, Join) and retry.worker == "j" and retry.source == "a"
         assert retry.delay == settings.join_interval
     out = p.feed(JoinFailed("j", "no plugin yet"))
-    assert emits(out, "join-failed") == [{"event": "join-failed", "worker": "j", "error": "no plugin yet"}]
+    assert emits(out, "join-failed") == [{"event": "join-failed", "worker": "j", "error": "no plugin yet",
+                                          "round": 1}]
     assert {s.worker for s in sends(out, FitOrder)} == {"a", "b"}  # the job goes on without j
     assert p.feed(Joined("j")) == []  # too late
     end = p.play()
@@ -597,8 +602,7 @@ def test_a_workers_error_fails_the_job_with_its_envelope():
 def test_every_worker_lost_fails_the_job():
     p = Player("averaging")
     p.start()
-    assert p.lose("a") == [Tell("b", PeerLost("a")), Tell("c", PeerLost("a"))]
-    assert p.lose("b") == [Tell("c", PeerLost("b"))]
+    assert untold(p.lose("a")) == [] and untold(p.lose("b")) == []
     (fail,) = p.lose("c")
     assert isinstance(fail, Fail) and "every worker was lost" in fail.error.text
 

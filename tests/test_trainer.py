@@ -1,5 +1,6 @@
 """End-to-end tests of DistributedTrainer on real LocalClusters (worker processes)."""
 
+import logging
 import os
 
 import jax
@@ -492,7 +493,8 @@ def test_resume_refuses_worker_rngs_of_another_prng(client2, make_net, digits, t
     _close(net.state.params, before, rtol=0, atol=0)  # a refused resume leaves the network as it was
 
 
-def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(client2, make_net, digits, tmp_path):
+def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(client2, make_net, digits, tmp_path,
+                                                                           caplog):
     tr, te = digits
     on_round, killed = kill_at_round(client2, 3)
     urls = dlspark.data.save_minibatches(tr, url=str(tmp_path / "mb"), batch_size=16)
@@ -500,7 +502,8 @@ def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(clie
     before = set(client2.scheduler_info()["workers"])
     trainer = DistributedTrainer(client2, net, ParameterAveraging(batch_size_per_worker=16, averaging_frequency=2,
                                                                   collect_training_stats=True), progress=False)
-    trainer.fit_paths(str(tmp_path / "mb"), epochs=4, loader=slow_loader(0.05), callbacks=[on_round])
+    with caplog.at_level(logging.INFO, logger="dlspark.distributed._client"):
+        trainer.fit_paths(str(tmp_path / "mb"), epochs=4, loader=slow_loader(0.05), callbacks=[on_round])
     assert killed.is_set()
     per_epoch = {}
     for s in trainer.last_fit_stats:
@@ -522,6 +525,13 @@ def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(clie
     assert joined in stats.clocks[job["job"]] and err < 0.05
     fits = stats.select(phase="fit", worker=joined)
     assert fits and all(job["start"] - err <= e["start"] <= job["end"] + err for e in fits)
+    # the client was told, as it happened and in the fit's record: the killed worker was lost after
+    # round 3, the restarted one joined later
+    lost, came = trainer.last_fit_events
+    assert lost["event"] == "lost" and lost["worker"] in before and lost["workers"] == 1 and lost["round"] >= 3
+    assert came["event"] == "joined" and came["worker"] == joined and came["workers"] == 2
+    assert any(r.levelname == "WARNING" and f"worker {lost['worker']} was lost in round {lost['round']}" in r.message
+               for r in caplog.records)
     client2.wait_for_workers(2, timeout=60)
 
 

@@ -219,7 +219,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         epochs, skip, worker_rngs, epochs_done, carried = _resume(trainer, resume_from, epochs, len(refs), storage_options)
         trainer.algorithm_state = carried
         if epochs <= 0:  # the checkpoint's fit was finished: nothing to train
-            trainer.last_fit_stats = []
+            trainer.last_fit_stats = trainer.last_fit_events = []
             return trainer.network
     net, client = trainer.network, trainer.client
     workers = trainer._workers()
@@ -247,6 +247,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     def on_event(event):
         _, msg = event
         if msg.get("event") != "round":
+            _log_worker_event(job, msg)
             return
         if bar is not None:
             bar.update(msg["minibatches"])
@@ -299,6 +300,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         if master.collect_training_stats:
             trainer.training_stats.add(st.finish(job, master.name, result.stats, workers))
         trainer.last_fit_stats = list(result.stats)
+        trainer.last_fit_events = list(result.events)
     except OSError as e:  # Dask's CommClosedError is one
         if not _scheduler_lost(client):
             raise
@@ -317,6 +319,23 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         if bar is not None:
             bar.close()
     return net
+
+
+def _log_worker_event(job, msg) -> None:
+    """Say what happened to a worker of the fit (the job's coordinator sent ``msg``), as it happens."""
+    kind, worker, left = msg.get("event"), msg.get("worker"), msg.get("workers")
+    if kind == "lost":
+        logger.warning("dlspark job %s: worker %s was lost in round %s; training goes on with %s worker(s), its "
+                       "unfinished minibatches trained by them", job, worker, msg.get("round"), left)
+    elif kind == "joined":
+        logger.info("dlspark job %s: worker %s joined after round %s; %s worker(s) train", job, worker,
+                    msg.get("round"), left)
+    elif kind == "join-failed":
+        logger.warning("dlspark job %s: worker %s could not join: %s", job, worker, msg.get("error"))
+    elif kind == "partitioned":
+        logger.warning("dlspark job %s: worker %s was dropped after round %s: %s cannot reach it while the "
+                       "coordinator reaches both; training goes on with %s worker(s)", job, worker, msg.get("round"),
+                       ", ".join(msg.get("unreachable_from", ())), left)
 
 
 def _scheduler_lost(client, within: float = 2.0) -> bool:

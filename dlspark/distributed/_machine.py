@@ -118,6 +118,7 @@ class JobMachine:
         self.arrived: set = set()  # joined the cluster mid-fit, to be set up at the next round
         self.joining: dict = {}  # worker -> tries so far
         self.stats: list = []
+        self.events: list = []  # what happened to the job's workers, as emitted (JobResult.events)
         self.plan: RoundPlan | None = None
         self.attempt = 0
         self.started = 0.0
@@ -212,7 +213,7 @@ class JobMachine:
         if w not in self.live:
             return []
         self.live.discard(w)
-        out = []
+        out = self._worker_event({"event": "lost", "worker": w, "workers": len(self.live)})
         if self.batch is not None and self.batch.phase == "round":  # a worker waiting for its part stops
             out += [Tell(v, PeerLost(w)) for v in sorted(self.live)]
         if w in self.probing:
@@ -234,7 +235,7 @@ class JobMachine:
             return []
         del self.joining[event.worker]
         self.live.add(event.worker)
-        out = [Emit({"event": "joined", "worker": event.worker})]
+        out = self._worker_event({"event": "joined", "worker": event.worker, "workers": len(self.live)})
         if not self.joining:
             out += self._between_rounds()
         return out
@@ -249,7 +250,7 @@ class JobMachine:
         if tries < self.settings.join_attempts and self.live:  # the same rank: a resumed fit's saved RNG
             return [Join(w, min(self.live), rank, self.settings.join_interval)]
         del self.joining[w]
-        out = [Emit({"event": "join-failed", "worker": w, "error": event.error})]
+        out = self._worker_event({"event": "join-failed", "worker": w, "error": event.error})
         if not self.joining:
             out += self._between_rounds()
         return out
@@ -299,7 +300,7 @@ class JobMachine:
         if self.plan is None:
             self.over = True
             return [Finish(JobResult(tuple(sorted(self.live)), self.planner.trained_total, tuple(self.stats),
-                                     self.driver.result_state(sorted(self.live))))]
+                                     self.driver.result_state(sorted(self.live)), tuple(self.events)))]
         hint = self.planner.peek_round(self.live)
         self.attempt = 0
         self.pairs = {}
@@ -399,7 +400,15 @@ class JobMachine:
         self.batch.replies.pop(victim, None)
         self.pairs = {pair: n for pair, n in self.pairs.items() if victim not in pair}
         others = sorted({w for pair in lasting if victim in pair for w in pair} - {victim})
-        return [Emit({"event": "partitioned", "worker": victim, "unreachable_from": others})]
+        return self._worker_event({"event": "partitioned", "worker": victim, "unreachable_from": others,
+                                   "workers": len(self.live)})
+
+    def _worker_event(self, msg: dict) -> list:
+        """What happened to a worker, for the client (live, on the job's topic, and in the
+        result's ``events``), with the latest round begun when it happened."""
+        msg = {**msg, "round": self.plan.round if self.plan is not None else 0}
+        self.events.append(msg)
+        return [Emit(msg)]
 
     def _round_done(self, done: RoundDone):
         contributors = [w for w in done.contributors if w in self.live]

@@ -170,9 +170,12 @@ class ErrorReply:
 @dataclass(frozen=True)
 class JobResult:
     """A finished job: the live workers (any holds the trained state), minibatches
-    trained, every round's statistics and the algorithm's state to carry on."""
+    trained, every round's statistics, the algorithm's state to carry on and what
+    happened to the job's workers (``events``: each worker lost, joined, that could not
+    join or was dropped, in order; the client's ``last_fit_events``)."""
 
     workers: tuple
     trained: int
     stats: tuple
     algorithm_state: dict = field(default_factory=dict)
+    events: tuple = ()
