@@ -599,3 +599,36 @@ def test_a_call_to_a_peer_that_left_ends_when_the_scheduler_drops_it(client2, ma
     assert client2.run(call, addr=gone, workers=listed[:1])[listed[0]] == f"left: worker {gone} is no longer in the cluster"
     # a listed peer answers as before
     assert client2.run(call, addr=listed[1], workers=listed[:1])[listed[0]] == "answered"
+
+    # A job's coordinator saying the peer was lost (its notice, to the worker's handler) ends a
+    # pending call at once, and a later call asks the scheduler before it starts: neither waits
+    # for the scheduler check, made a minute apart here
+    async def told(dask_worker, addr):
+        import time
+
+        import dask
+
+        from dlspark.distributed._messages import PeerLost
+
+        pool_timeout, dask_worker.rpc.timeout = dask_worker.rpc.timeout, 600
+        out = []
+        try:
+            with dask.config.set({"dlspark.worker.peer-check": "60s"}):
+                pending = asyncio.ensure_future(call_peer(dask_worker, addr, "dlspark_clock"))
+                await asyncio.sleep(0.5)
+                out.append(pending.done())
+                t0 = time.monotonic()
+                await dask_worker.handlers["dlspark_notice"](job="some-job", notice=PeerLost(addr))
+                for call in (pending, call_peer(dask_worker, addr, "dlspark_clock")):
+                    try:
+                        await asyncio.wait_for(call, 10)
+                    except PeerLeftError as e:
+                        out.append(str(e))
+            out.append(time.monotonic() - t0 < 5)
+            return out
+        finally:
+            dask_worker.rpc.timeout = pool_timeout
+
+    assert client2.run(told, addr=gone, workers=listed[:1])[listed[0]] == [
+        False, f"worker {gone} was lost (its job's coordinator said so)", f"worker {gone} is no longer in the cluster",
+        True]

@@ -532,6 +532,13 @@ def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(clie
     assert came["event"] == "joined" and came["worker"] == joined and came["workers"] == 2
     assert any(r.levelname == "WARNING" and f"worker {lost['worker']} was lost in round {lost['round']}" in r.message
                for r in caplog.records)
+    # and in the statistics: instants on the scheduler's timeline, listed at the report's head
+    (gone,), (back,) = stats.select(phase="worker_lost"), stats.select(phase="worker_joined")
+    assert (gone["peer"], gone["duration"], back["peer"]) == (lost["worker"], 0.0, joined)
+    assert job["start"] - err <= gone["start"] <= back["start"] <= job["end"] + err
+    from dlspark.stats._pages import report_layout
+
+    assert f"worker <code>{lost['worker']}</code> lost at" in report_layout(stats).children[0].text
     client2.wait_for_workers(2, timeout=60)
 
 

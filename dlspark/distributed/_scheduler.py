@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["DlsparkSchedulerPlugin", "settings_from_config"]
 
 
+#: the statistics' phase of each event the job machine emits about a worker (each of length 0)
+WORKER_EVENT_PHASES = {"lost": "worker_lost", "joined": "worker_joined", "join-failed": "worker_join_failed",
+                       "partitioned": "worker_dropped"}
+
+
 def settings_from_config() -> Settings:
     """The job machine's bounds, from ``dlspark.scheduler.*`` in dask.config."""
     return Settings(client_grace=config.get_seconds("scheduler.client-grace"),
@@ -167,6 +172,11 @@ class _JobShell:
             logger.warning("dlspark job %s: dropping worker %s, which %s cannot reach while the coordinator reaches "
                            "both", self.job, i.msg["worker"], ", ".join(i.msg["unreachable_from"]))
         self.scheduler.log_event(f"dlspark-{self.job}", i.msg)
+        phase = WORKER_EVENT_PHASES.get(i.msg.get("event"))
+        if phase is not None:  # on the timeline too, at the moment it happened
+            t = self.stats.now()
+            self.stats.add(phase, t, t, "workers", peer=i.msg["worker"], round=i.msg["round"],
+                           workers=i.msg.get("workers"))
         if i.msg.get("event") == "round":
             t = self.stats.now()
             self.stats.add("round", t - i.msg["round_time"], t, "rounds", number=i.msg["round"])

@@ -23,7 +23,7 @@ from distributed.protocol import to_serialize
 from .._malloc import apply_worker_settings
 from ._kept import KeptStates, carried_arrays, put_arrays
 from ._messages import ErrorReply, Unavailable
-from ._peers import call_peer
+from ._peers import call_peer, peer_lost
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,8 @@ class DlsparkWorkerPlugin(WorkerPlugin):
 
     async def _notice(self, job: str, notice):
         """A one-way word of the job's coordinator (a peer was lost), for the job's run."""
+        if notice.kind == "peer_lost":  # this worker's calls to it now pending end at once, every job's
+            peer_lost(self.worker, notice.peer)
         run = self.jobs.get(job)
         if run is not None:
             run.notice(notice)

@@ -43,6 +43,19 @@ def _short(worker):
     return worker.replace("tcp://", "").replace("inproc://", "")
 
 
+#: the statistics' instants of a fit's workers (``dlspark.distributed._scheduler.WORKER_EVENT_PHASES``), in words
+WORKER_WORDS = {"worker_lost": "lost", "worker_joined": "joined", "worker_join_failed": "could not join",
+                "worker_dropped": "dropped (a peer could not reach it)"}
+
+
+def _worker_events(stats, job) -> str:
+    """What happened to ``job``'s workers, as the report's list items."""
+    events = sorted((e for e in stats.events if e["phase"] in WORKER_WORDS and e.get("job") == job["job"]),
+                    key=lambda e: e["start"])
+    return "".join(f"<li>worker <code>{e.get('peer')}</code> {WORKER_WORDS[e['phase']]} at "
+                   f"{e['start'] - job['start']:.2f} s (round {e.get('round')})</li>" for e in events)
+
+
 def _timeline(stats, phases, colours):
     from bokeh.models import ColumnDataSource, HoverTool
     from bokeh.plotting import figure
@@ -65,6 +78,11 @@ def _timeline(stats, phases, colours):
                tools="xpan,xwheel_zoom,box_zoom,reset,save", name="timeline", min_border_left=24)
     p.hbar(y="lane", left="left", right="right", height=0.8, fill_color="colour", line_color=None, source=src,
            legend_field="phase")
+    instants = [e for e in stats.events if e["phase"] in WORKER_WORDS]
+    if instants:  # a worker lost, joined...: of length 0, a marker where the bars would not show
+        p.scatter([e["start"] - t0 for e in instants],
+                  [f"{_short(e['worker'])} · {e.get('lane') or 'main'}" for e in instants],
+                  marker="inverted_triangle", size=13, color=[cmap[e["phase"]] for e in instants], line_color="black")
     p.add_tools(HoverTool(tooltips=[("phase", "@phase"), ("ms", "@ms{0.000}"), ("round", "@round"),
                                     ("lane", "@lane")]))
     p.legend.location = "top_left"
@@ -175,7 +193,8 @@ def report_layout(stats):
     phases = sorted({e["phase"] for e in stats.events})
     colours = _palette(len(phases))
     jobs = "".join(f"<li>fit <code>{j['job']}</code> ({j.get('algorithm', '?')}): {j['end'] - j['start']:.2f} s, "
-                   f"{len(j.get('workers', ()))} workers</li>" for j in stats.jobs)
+                   f"{len(j.get('workers', ()))} workers" + (f"<ul>{w}</ul>" if (w := _worker_events(stats, j)) else "")
+                   + "</li>" for j in stats.jobs)
     head = Div(text=f"<h1>dlspark training statistics</h1><ul>{jobs}</ul>"
                     f"<p>{len(stats.rounds)} rounds, {len(stats.events)} events; clocks aligned to the "
                     f"scheduler's within {stats.clock_error() * 1e3:.3f} ms.</p>", sizing_mode="stretch_width")
