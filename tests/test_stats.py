@@ -425,6 +425,29 @@ def test_cli_stats(fits, tmp_path):
 
 
 # -- the live page in the Dask dashboard ---------------------------------------------------------
+def test_the_live_page_names_the_workers_lost_and_joined():
+    from bokeh.document import Document
+
+    from dlspark.stats._live import LivePage
+    from dlspark.stats._pages import live_document
+
+    page = LivePage()
+    page.job_started("j1", dlspark.ParameterAveraging(), ["tcp://a:1", "tcp://b:1"])
+    page.worker_event("j1", {"event": "lost", "worker": "tcp://b:1", "workers": 1, "round": 4})
+    heads = []
+    for event in ({"event": "joined", "worker": "tcp://c:1", "workers": 2, "round": 4}, None):
+        doc = Document()
+        live_document(page, doc)  # as the page is opened
+        heads.append(doc.get_model_by_name("head").text)
+        if event:
+            page.worker_event("j1", event)
+    assert "0 rounds on 1 workers" in heads[0] and "<li>worker <code>tcp://b:1</code> lost in round 4</li>" in heads[0]
+    assert "0 rounds on 2 workers" in heads[1] and heads[1].endswith(
+        "<li>worker <code>tcp://b:1</code> lost in round 4</li><li>worker <code>tcp://c:1</code> joined after round "
+        "4</li></ul>")
+    page.worker_event("other", {"event": "lost", "worker": "tcp://a:1"})  # a job the page no longer keeps: ignored
+
+
 @pytest.mark.slow
 def test_live_page(fits, shifted_client, tmp_path):
     from bokeh.client import pull_session

@@ -177,6 +177,7 @@ class _JobShell:
             t = self.stats.now()
             self.stats.add(phase, t, t, "workers", peer=i.msg["worker"], round=i.msg["round"],
                            workers=i.msg.get("workers"))
+            self.plugin.live.worker_event(self.job, i.msg)
         if i.msg.get("event") == "round":
             t = self.stats.now()
             self.stats.add("round", t - i.msg["round_time"], t, "rounds", number=i.msg["round"])

@@ -1,6 +1,6 @@
 """The live page ``/dlspark`` in the Dask dashboard: the running job's loss, steps/s per
-worker, each round's time split into phases, bytes on the wire and, for gradient
-sharing, the threshold.
+worker, each round's time split into phases, bytes on the wire, for gradient sharing
+the threshold, and the workers lost or joined.
 
 The scheduler plugin keeps every round's record here as the job machine emits it
 (:class:`LivePage`, a few dicts, whether or not a dashboard runs). When the
@@ -59,13 +59,19 @@ class LivePage:
         self.app.start()
 
     def job_started(self, job, master, workers):
-        self.jobs[job] = {"job": job, "algorithm": master.name, "workers": list(workers), "rounds": []}
+        self.jobs[job] = {"job": job, "algorithm": master.name, "workers": list(workers), "rounds": [], "events": []}
         while len(self.jobs) > 8:
             self.jobs.popitem(last=False)
 
     def round_done(self, job, stat):
         if job in self.jobs:
             self.jobs[job]["rounds"].append(stat)
+
+    def worker_event(self, job, msg):
+        """A worker of ``job`` lost, joined, that could not join or was dropped (the job
+        machine's event)."""
+        if job in self.jobs:
+            self.jobs[job]["events"].append(msg)
 
     def latest(self):
         return next(reversed(self.jobs.values()), None)

@@ -220,6 +220,18 @@ def report_html(stats, title: str = "dlspark training statistics") -> str:
 
 
 # -- the live page ---------------------------------------------------------------------------
+#: the job machine's events about a worker, in the live page's words
+_LIVE_WORDS = {"lost": "lost in round {round}", "joined": "joined after round {round}",
+               "join-failed": "could not join after round {round}", "partitioned": "dropped after round {round}: "
+               "a peer could not reach it"}
+
+
+def _live_events(events, last: int = 8) -> str:
+    """The latest of ``events`` (what happened to the job's workers) as list items."""
+    return "".join(f"<li>worker <code>{e.get('worker')}</code> {_LIVE_WORDS[e['event']].format(round=e.get('round'))}"
+                   f"</li>" for e in events[-last:] if e.get("event") in _LIVE_WORDS)
+
+
 def live_document(page, doc):
     """Fill a bokeh server document with the running job's figures, refreshed twice a second."""
     from bokeh.layouts import column, row
@@ -245,20 +257,23 @@ def live_document(page, doc):
     thr.line("round", "threshold", source=rounds_src, line_width=2, color="#d62728")
     doc.title = "dlspark"
     doc.add_root(column(head, row(loss, rates, split), row(wire, thr)))
-    seen = {"job": None, "n": -1}
+    seen = {"job": None, "n": -1, "events": -1}
 
     def refresh():
         job = page.latest()
-        if job is None or (job["job"] == seen["job"] and len(job["rounds"]) == seen["n"]):
+        events = job.get("events", []) if job is not None else []
+        if job is None or (job["job"] == seen["job"] and len(job["rounds"]) == seen["n"]
+                           and len(events) == seen["events"]):
             return
-        seen.update(job=job["job"], n=len(job["rounds"]))
+        seen.update(job=job["job"], n=len(job["rounds"]), events=len(events))
         rounds = list(job["rounds"])
         rounds_src.data = round_table(rounds)
         r = worker_rates(rounds)
         rates.x_range.factors = [_short(w) for w in r["worker"]]
         rates_src.data = {"worker": [_short(w) for w in r["worker"]], "steps_per_s": r["steps_per_s"]}
+        training = events[-1].get("workers", len(job["workers"])) if events else len(job["workers"])
         head.text = (f"<h2>dlspark job {job['job']} ({job['algorithm']}): {len(rounds)} rounds on "
-                     f"{len(job['workers'])} workers</h2>")
+                     f"{training} workers</h2>" + (f"<ul>{_live_events(events)}</ul>" if events else ""))
 
     refresh()
     doc.add_periodic_callback(refresh, 500)
