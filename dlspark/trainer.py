@@ -79,6 +79,7 @@ class DistributedTrainer:
         round begun, "workers": how many train on}`` (a failed join has its ``error``, a
         dropped worker the peers that could not reach it, ``unreachable_from``). Each is
         also logged as it happens (``dlspark.distributed._client``; a warning but for a join).
+        After a fit that failed, those that reached the client before it failed.
     algorithm_state : dict
         What the algorithm carries from fit to fit and saves in checkpoints;
         its entries read as attributes too (gradient sharing's ``threshold_state``,

@@ -542,6 +542,28 @@ def test_killed_worker_does_not_fail_the_job_and_each_minibatch_trains_once(clie
     client2.wait_for_workers(2, timeout=60)
 
 
+def test_a_fit_that_fails_after_losing_a_worker_still_says_so(client2, make_net, digits, tmp_path):
+    # a worker killed, and a minibatch file deleted, after round 3: the next epoch's read fails
+    # the fit; what happened to the workers before it is the fit's record all the same
+    tr, _ = digits
+    kill, killed = kill_at_round(client2, 3)
+    urls = dlspark.data.save_minibatches(tr[:640], url=str(tmp_path / "mb"), batch_size=16)
+
+    def on_round(stat):
+        if stat["round"] == 3 and not killed.is_set():
+            os.remove(urls[5])
+        kill(stat)
+
+    trainer = DistributedTrainer(client2, _digits_net(make_net), ParameterAveraging(batch_size_per_worker=16,
+                                 averaging_frequency=2), progress=False)
+    trainer.last_fit_events = [{"event": "joined", "worker": "an earlier fit's"}]
+    with pytest.raises(CorruptMinibatchError, match="batch_000005.npz"):
+        trainer.fit_paths(str(tmp_path / "mb"), epochs=3, loader=slow_loader(0.05), callbacks=[on_round])
+    assert killed.is_set()
+    assert trainer.last_fit_events and trainer.last_fit_events[0]["event"] == "lost", trainer.last_fit_events
+    client2.wait_for_workers(2, timeout=60)
+
+
 _ABANDONING_CLIENT = """
 import sys, time
 import flax.linen as nn, numpy as np, optax

@@ -244,9 +244,13 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
                          checkpoint_url=checkpoint_url, **master.job_options())
     bar = _progress_bar(trainer.progress if progress is None else progress, epochs * len(refs) - len(skip))
 
+    seen = []  # what happened to the workers, as it arrives: the record of a fit that fails
+
     def on_event(event):
         _, msg = event
         if msg.get("event") != "round":
+            if msg.get("event") in _WORKER_EVENTS:
+                seen.append(msg)
             _log_worker_event(job, msg)
             return
         if bar is not None:
@@ -258,6 +262,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
             cb(msg)
 
     topic = f"dlspark-{job}"
+    trainer.last_fit_events = seen
     client.subscribe_topic(topic, on_event)
     lost = False
     try:
@@ -319,6 +324,10 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         if bar is not None:
             bar.close()
     return net
+
+
+#: the job machine's events about a worker (``JobResult.events``)
+_WORKER_EVENTS = ("lost", "joined", "join-failed", "partitioned")
 
 
 def _log_worker_event(job, msg) -> None:
