@@ -21,7 +21,7 @@ from .._mesh import divergence, is_averaged, stitch_owners
 from ..checkpoint import read_checkpoint_meta, state_from_arrays, state_to_arrays
 from ..errors import CheckpointError, JobFailedError
 from ._kept import continuing, pull_arrays, sent_bytes, state_digests, thin
-from ._messages import JobOptions, JobSpec
+from ._messages import WORKER_EVENTS, JobOptions, JobSpec
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
     def on_event(event):
         _, msg = event
         if msg.get("event") != "round":
-            if msg.get("event") in _WORKER_EVENTS:
+            if msg.get("event") in WORKER_EVENTS:
                 seen.append(msg)
             _log_worker_event(job, msg)
             return
@@ -324,10 +324,6 @@ def run_fit(trainer, refs, partitions, epochs, *, loader=None, storage_options=N
         if bar is not None:
             bar.close()
     return net
-
-
-#: the job machine's events about a worker (``JobResult.events``)
-_WORKER_EVENTS = ("lost", "joined", "join-failed", "partitioned")
 
 
 def _log_worker_event(job, msg) -> None:

@@ -17,7 +17,7 @@ from typing import ClassVar
 import cloudpickle
 
 __all__ = ["JobSpec", "JobOptions", "Order", "Reply", "FitOrder", "FitReply", "RngOrder", "RngReply",
-           "CheckpointOrder", "Ack", "ErrorReply", "JobResult", "Unavailable", "PeerLost"]
+           "CheckpointOrder", "Ack", "ErrorReply", "JobResult", "Unavailable", "PeerLost", "WORKER_EVENTS"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,12 @@ class ErrorReply:
 
     def exception(self) -> BaseException:
         return cloudpickle.loads(self.pickled)
+
+
+#: what the job machine reports about a worker (the ``event`` of ``JobResult.events``), each with
+#: the training statistics' instant that records it
+WORKER_EVENTS = {"lost": "worker_lost", "joined": "worker_joined", "join-failed": "worker_join_failed",
+                 "partitioned": "worker_dropped"}
 
 
 @dataclass(frozen=True)

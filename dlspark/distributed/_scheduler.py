@@ -25,7 +25,7 @@ from .. import config
 from ._machine import (Abandon, Cancel, ClientBack, ClientLost, Emit, Fail, Failed, Finish, Join, JobMachine,
                        JoinFailed, Joined, Probe, Probed, Replied, Send, Settings, Start, Tell, Timer, WorkerJoined,
                        WorkerLost)
-from ._messages import ErrorReply, JobOptions, RngOrder
+from ._messages import WORKER_EVENTS, ErrorReply, JobOptions, RngOrder
 from ..stats._collect import gather_job, measure_workers
 from ..stats._live import LivePage
 from ..stats._recorder import NULL, Recorder
@@ -33,11 +33,6 @@ from ..stats._recorder import NULL, Recorder
 logger = logging.getLogger(__name__)
 
 __all__ = ["DlsparkSchedulerPlugin", "settings_from_config"]
-
-
-#: the statistics' phase of each event the job machine emits about a worker (each of length 0)
-WORKER_EVENT_PHASES = {"lost": "worker_lost", "joined": "worker_joined", "join-failed": "worker_join_failed",
-                       "partitioned": "worker_dropped"}
 
 
 def settings_from_config() -> Settings:
@@ -172,7 +167,7 @@ class _JobShell:
             logger.warning("dlspark job %s: dropping worker %s, which %s cannot reach while the coordinator reaches "
                            "both", self.job, i.msg["worker"], ", ".join(i.msg["unreachable_from"]))
         self.scheduler.log_event(f"dlspark-{self.job}", i.msg)
-        phase = WORKER_EVENT_PHASES.get(i.msg.get("event"))
+        phase = WORKER_EVENTS.get(i.msg.get("event"))
         if phase is not None:  # on the timeline too, at the moment it happened
             t = self.stats.now()
             self.stats.add(phase, t, t, "workers", peer=i.msg["worker"], round=i.msg["round"],

@@ -43,7 +43,7 @@ def _short(worker):
     return worker.replace("tcp://", "").replace("inproc://", "")
 
 
-#: the statistics' instants of a fit's workers (``dlspark.distributed._scheduler.WORKER_EVENT_PHASES``), in words
+#: the statistics' instants of a fit's workers (``dlspark.distributed._messages.WORKER_EVENTS``), in words
 WORKER_WORDS = {"worker_lost": "lost", "worker_joined": "joined", "worker_join_failed": "could not join",
                 "worker_dropped": "dropped (a peer could not reach it)"}
 
